@@ -1,0 +1,35 @@
+#include "kvshuttle/build_info.h"
+
+#include <stdexcept>
+
+#include "kvshuttle/cuda_copy.h"
+
+#ifdef KVSHUTTLE_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#ifndef KVSHUTTLE_VERSION
+#define KVSHUTTLE_VERSION "0.0.0"
+#endif
+
+namespace kvshuttle {
+
+BuildInfo build_info() {
+  BuildInfo info;
+  info.version = KVSHUTTLE_VERSION;
+#ifdef KVSHUTTLE_WITH_CUDA
+  info.cuda = true;
+  info.cuda_archs = KVSHUTTLE_CUDA_ARCHS;
+  info.cuda_runtime_version = CUDART_VERSION;
+#endif
+  return info;
+}
+
+#ifndef KVSHUTTLE_WITH_CUDA
+void paged_copy_cuda(const PagedCopySpec&, const uint64_t*, const int64_t*, int64_t, Direction, uint64_t) {
+  throw std::runtime_error("kvshuttle was built without CUDA (set KVSHUTTLE_CUDA=ON and reinstall)");
+}
+int cuda_device_count() { return 0; }
+#endif
+
+}  // namespace kvshuttle

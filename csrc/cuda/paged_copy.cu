@@ -1,0 +1,187 @@
+// CUDA pack/unpack: one launch covers every (block id, layer-plane) piece; one CTA per piece.
+// Vector width is the widest of 16/8/4/2/1 bytes that divides the row and every address and stride.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kvshuttle/cuda_copy.h"
+
+namespace kvshuttle {
+namespace {
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("kvshuttle CUDA error in ") + what + ": " +
+                             cudaGetErrorString(err));
+  }
+}
+
+// 32-bit geometry for the index math in the kernel (every per-piece quantity fits).
+struct KernelGeometry {
+  uint32_t planes, block_size, num_heads, head_offset, staging_block_size, staging_heads, num_tokens;
+  uint32_t row_vecs;  // vectors per row
+  bool paged_nhd, staged_nhd;
+  uint64_t block_stride, unit_bytes, piece_bytes, row_bytes;
+  char* staging;
+};
+
+template <typename Vec>
+__device__ __forceinline__ Vec load_once(const Vec* p) { return *p; }
+template <>
+__device__ __forceinline__ uint4 load_once<uint4>(const uint4* p) { return __ldcs(p); }
+template <typename Vec>
+__device__ __forceinline__ void store_once(Vec* p, Vec v) { *p = v; }
+template <>
+__device__ __forceinline__ void store_once<uint4>(uint4* p, uint4 v) { __stcs(p, v); }
+
+template <typename Vec, bool kPack>
+__device__ __forceinline__ void move(char* paged, char* staged) {
+  if (kPack) {
+    store_once(reinterpret_cast<Vec*>(staged), load_once(reinterpret_cast<const Vec*>(paged)));
+  } else {
+    store_once(reinterpret_cast<Vec*>(paged), load_once(reinterpret_cast<const Vec*>(staged)));
+  }
+}
+
+template <typename Vec, bool kPack, bool kFlat>
+__global__ void paged_copy_kernel(KernelGeometry g, const uint64_t* __restrict__ bases,
+                                  const int32_t* __restrict__ ids) {
+  const uint32_t item = blockIdx.x;
+  const uint32_t i = item / g.planes, lp = item % g.planes;
+  char* paged = reinterpret_cast<char*>(bases[lp]) + static_cast<uint64_t>(ids[i]) * g.block_stride;
+  const uint32_t first = i * g.block_size;
+  const uint32_t ntok = min(g.block_size, g.num_tokens - first);
+  if (kFlat) {  // same geometry on both sides: the piece is one contiguous run
+    char* staged = g.staging + static_cast<uint64_t>(i) * g.unit_bytes + lp * g.piece_bytes;
+    const uint32_t n = ntok * g.num_heads * g.row_vecs;
+    for (uint32_t e = threadIdx.x; e < n; e += blockDim.x) {
+      move<Vec, kPack>(paged + e * sizeof(Vec), staged + e * sizeof(Vec));
+    }
+    return;
+  }
+  const uint32_t n = ntok * g.staging_heads * g.row_vecs;
+  for (uint32_t e = threadIdx.x; e < n; e += blockDim.x) {
+    const uint32_t v = e % g.row_vecs, row = e / g.row_vecs;
+    // Walk rows in the paged side's order so consecutive threads read consecutive memory.
+    uint32_t j, h;
+    if (g.paged_nhd) {
+      h = row % g.staging_heads;
+      j = row / g.staging_heads;
+    } else {
+      j = row % ntok;
+      h = row / ntok;
+    }
+    const uint32_t t = first + j, unit = t / g.staging_block_size, k = t % g.staging_block_size;
+    const uint64_t paged_row = g.paged_nhd ? uint64_t(j) * g.num_heads + g.head_offset + h
+                                           : uint64_t(g.head_offset + h) * g.block_size + j;
+    const uint64_t staged_row = g.staged_nhd ? uint64_t(k) * g.staging_heads + h
+                                             : uint64_t(h) * g.staging_block_size + k;
+    char* staged = g.staging + uint64_t(unit) * g.unit_bytes + lp * g.piece_bytes;
+    move<Vec, kPack>(paged + paged_row * g.row_bytes + v * sizeof(Vec),
+                     staged + staged_row * g.row_bytes + v * sizeof(Vec));
+  }
+}
+
+template <typename Vec, bool kPack>
+void launch(const KernelGeometry& g, bool flat, uint32_t items, const uint64_t* bases, const int32_t* ids,
+            cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  if (flat) {
+    paged_copy_kernel<Vec, kPack, true><<<items, kThreads, 0, stream>>>(g, bases, ids);
+  } else {
+    paged_copy_kernel<Vec, kPack, false><<<items, kThreads, 0, stream>>>(g, bases, ids);
+  }
+}
+
+template <bool kPack>
+void launch_widest(int width, const KernelGeometry& g, bool flat, uint32_t items, const uint64_t* bases,
+                   const int32_t* ids, cudaStream_t stream) {
+  switch (width) {
+    case 16: return launch<uint4, kPack>(g, flat, items, bases, ids, stream);
+    case 8: return launch<uint2, kPack>(g, flat, items, bases, ids, stream);
+    case 4: return launch<uint32_t, kPack>(g, flat, items, bases, ids, stream);
+    case 2: return launch<uint16_t, kPack>(g, flat, items, bases, ids, stream);
+    default: return launch<uint8_t, kPack>(g, flat, items, bases, ids, stream);
+  }
+}
+
+int widest_vector(const PagedCopySpec& s, const uint64_t* bases) {
+  uint64_t bits = static_cast<uint64_t>(s.row_bytes) | static_cast<uint64_t>(s.block_stride) |
+                  s.staging_addr;
+  for (int64_t lp = 0; lp < s.num_planes(); ++lp) bits |= bases[lp];
+  for (int width = 16; width > 1; width /= 2) {
+    if ((bits & (width - 1)) == 0) return width;
+  }
+  return 1;
+}
+
+}  // namespace
+
+void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases, const int64_t* ids,
+                     int64_t num_ids, Direction direction, uint64_t stream_handle) {
+  check_paged_copy(spec, plane_bases, ids, num_ids);
+  const int64_t items = num_ids * spec.num_planes();
+  if (items == 0) return;
+  if (items > INT32_MAX || spec.num_tokens > INT32_MAX || spec.num_blocks > INT32_MAX) {
+    throw std::invalid_argument("kvshuttle CUDA paged copy: more than 2^31 pieces, tokens or blocks");
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int64_t planes = spec.num_planes();
+
+  // Plane table and block ids travel to the device in one stream-ordered scratch allocation.
+  std::vector<char> host(planes * sizeof(uint64_t) + num_ids * sizeof(int32_t));
+  std::copy(plane_bases, plane_bases + planes, reinterpret_cast<uint64_t*>(host.data()));
+  auto* host_ids = reinterpret_cast<int32_t*>(host.data() + planes * sizeof(uint64_t));
+  for (int64_t i = 0; i < num_ids; ++i) host_ids[i] = static_cast<int32_t>(ids[i]);
+  void* scratch = nullptr;
+  cuda_check(cudaMallocAsync(&scratch, host.size(), stream), "cudaMallocAsync");
+  cudaError_t err = cudaMemcpyAsync(scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream);
+  const auto* dev_bases = static_cast<const uint64_t*>(scratch);
+  const auto* dev_ids = reinterpret_cast<const int32_t*>(static_cast<char*>(scratch) + planes * sizeof(uint64_t));
+
+  const int width = widest_vector(spec, plane_bases);
+  KernelGeometry g{};
+  g.planes = static_cast<uint32_t>(planes);
+  g.block_size = static_cast<uint32_t>(spec.block_size);
+  g.num_heads = static_cast<uint32_t>(spec.num_heads);
+  g.head_offset = static_cast<uint32_t>(spec.head_offset);
+  g.staging_block_size = static_cast<uint32_t>(spec.staging_block_size);
+  g.staging_heads = static_cast<uint32_t>(spec.staging_heads);
+  g.num_tokens = static_cast<uint32_t>(spec.num_tokens);
+  g.row_vecs = static_cast<uint32_t>(spec.row_bytes / width);
+  g.paged_nhd = spec.order == TokenOrder::NHD;
+  g.staged_nhd = spec.staging_order == TokenOrder::NHD;
+  g.block_stride = static_cast<uint64_t>(spec.block_stride);
+  g.unit_bytes = static_cast<uint64_t>(spec.staging_unit_bytes());
+  g.piece_bytes = static_cast<uint64_t>(spec.staging_piece_bytes());
+  g.row_bytes = static_cast<uint64_t>(spec.row_bytes);
+  g.staging = reinterpret_cast<char*>(spec.staging_addr);
+  // A partial last block is contiguous only in NHD order.
+  const bool flat = spec.is_flat() && (spec.order == TokenOrder::NHD || spec.num_tokens % spec.block_size == 0);
+
+  if (err == cudaSuccess) {
+    if (direction == Direction::Pack) {
+      launch_widest<true>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
+    } else {
+      launch_widest<false>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
+    }
+    err = cudaGetLastError();
+  }
+  const cudaError_t free_err = cudaFreeAsync(scratch, stream);
+  cuda_check(err, "paged copy launch");
+  cuda_check(free_err, "cudaFreeAsync");
+}
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace kvshuttle

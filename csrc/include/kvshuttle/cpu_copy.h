@@ -1,0 +1,17 @@
+// CPU entry points (run on the thread pool; call with the GIL released).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kvshuttle/paged_copy.h"
+
+namespace kvshuttle {
+
+void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases, const int64_t* ids,
+                    int64_t num_ids, Direction direction);
+
+// memcpy of nbytes split over the same pool: the physical baseline the benchmarks compare against.
+void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes);
+
+}  // namespace kvshuttle

@@ -1,0 +1,49 @@
+"""kvshuttle: bidirectional paged KV-cache transfer for disaggregated LLM serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import BackendError, BlockIdError, KVShuttleError, LayoutError, StagingError
+from .layout import CacheGeometry, CacheKind, PagedKVCache, StagingLayout, TokenOrder
+from .ops import pack, staging_nbytes, unpack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BlockIdError",
+    "CacheGeometry",
+    "CacheKind",
+    "KVShuttleError",
+    "LayoutError",
+    "PagedKVCache",
+    "StagingError",
+    "StagingLayout",
+    "TokenOrder",
+    "__version__",
+    "build_info",
+    "pack",
+    "staging_nbytes",
+    "unpack",
+]
+
+
+def build_info() -> dict[str, Any]:
+    """What was built (CPU path, CUDA path, architectures) and whether a GPU is usable now."""
+    from . import ops
+
+    native = ops._native
+    if native is None:
+        return {"version": __version__, "native": False, "cuda": False, "cuda_archs": [],
+                "gpu_available": False, "num_threads": 0}
+    info = native.build_info()
+    return {
+        "version": info.version,
+        "native": True,
+        "cuda": bool(info.cuda),
+        "cuda_archs": [a for a in info.cuda_archs.split(",") if a],
+        "cuda_runtime_version": int(info.cuda_runtime_version),
+        "gpu_available": bool(info.cuda) and native.cuda_device_count() > 0,
+        "num_threads": int(native.num_threads()),
+    }

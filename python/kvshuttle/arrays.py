@@ -1,0 +1,110 @@
+"""Read raw geometry (address, shape, byte strides, dtype, device) from numpy, torch or cupy arrays.
+
+No framework is imported here: torch tensors are recognised by their type's module, cupy (and anything
+else that speaks the CUDA array interface) through ``__cuda_array_interface__``, and everything else
+through numpy's array interface.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import LayoutError
+
+
+@dataclass(frozen=True)
+class ArrayView:
+    """What the native code needs to know about one array. ``owner`` keeps the memory alive."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    itemsize: int
+    dtype: str
+    device: str  # "cpu" or "cuda:<index>"
+    writeable: bool
+    owner: Any
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+
+    def is_c_contiguous(self) -> bool:
+        return self.strides == c_strides(self.shape, self.itemsize)
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def _is_torch_tensor(x: object) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def describe(x: object) -> ArrayView:
+    """Describe a numpy array, torch tensor (CPU or CUDA) or CUDA-array-interface object."""
+    if _is_torch_tensor(x):
+        t: Any = x
+        itemsize = int(t.element_size())
+        device = f"cuda:{t.device.index or 0}" if t.device.type == "cuda" else t.device.type
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise LayoutError(f"torch tensors on device {t.device} are not supported (use cpu or cuda)")
+        return ArrayView(
+            address=int(t.data_ptr()),
+            shape=tuple(int(s) for s in t.shape),
+            strides=tuple(int(s) * itemsize for s in t.stride()),
+            itemsize=itemsize,
+            dtype=str(t.dtype).removeprefix("torch."),
+            device=device,
+            writeable=True,
+            owner=x,
+        )
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        dtype = np.dtype(cai["typestr"])
+        shape = tuple(int(s) for s in cai["shape"])
+        strides = cai.get("strides")
+        device_id = getattr(getattr(x, "device", None), "id", 0)
+        return ArrayView(
+            address=int(cai["data"][0]),
+            shape=shape,
+            strides=tuple(int(s) for s in strides) if strides else c_strides(shape, dtype.itemsize),
+            itemsize=dtype.itemsize,
+            dtype=str(getattr(x, "dtype", dtype)),
+            device=f"cuda:{device_id}",
+            writeable=not cai["data"][1],
+            owner=x,
+        )
+    if not isinstance(x, np.ndarray):
+        raise LayoutError(f"expected a numpy array, torch tensor or CUDA array, got {type(x).__name__}")
+    return ArrayView(
+        address=int(x.ctypes.data),
+        shape=tuple(int(s) for s in x.shape),
+        strides=tuple(int(s) for s in x.strides),
+        itemsize=x.itemsize,
+        dtype=str(x.dtype),
+        device="cpu",
+        writeable=bool(x.flags.writeable),
+        owner=x,
+    )
+
+
+def host_bytes(address: int, nbytes: int) -> npt.NDArray[np.uint8]:
+    """A writable uint8 numpy view of host memory (used by the reference on any CPU array)."""
+    if nbytes == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))

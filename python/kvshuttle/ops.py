@@ -1,0 +1,186 @@
+"""pack / unpack: validate once, then run the native CPU or CUDA path, or the numpy reference.
+
+Validation happens before any byte moves, so a bad call raises a named error and leaves the destination
+untouched. The CPU path is synchronous; the CUDA path is enqueued on ``stream`` (default: the current
+torch or cupy stream of the arrays' framework) and returns before the copy finishes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from . import reference
+from .arrays import ArrayView, describe, host_bytes
+from .errors import BackendError, BlockIdError, LayoutError, StagingError
+from .layout import CacheGeometry, PagedKVCache, StagingLayout, TokenOrder
+
+try:
+    from . import _native
+except ImportError:  # a source checkout without a build: the reference still works on host memory
+    _native = None  # type: ignore[assignment]
+
+Backend = Literal["auto", "native", "reference"]
+BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """One validated pack or unpack: everything both backends need."""
+
+    cache: PagedKVCache
+    block_ids: npt.NDArray[np.int64]
+    staging: ArrayView
+    layout: StagingLayout
+    num_tokens: int
+    head_offset: int
+
+    def native_spec(self) -> Any:
+        g, layout = self.cache.geometry, self.layout
+        spec = _native.PagedCopySpec()
+        spec.num_layers, spec.planes_per_layer = g.num_layers, g.planes_per_layer
+        spec.num_blocks, spec.block_stride = g.num_blocks, g.block_stride
+        spec.block_size, spec.num_heads, spec.head_offset = g.block_size, g.num_heads, self.head_offset
+        spec.order = _native.TokenOrder.NHD if g.order is TokenOrder.NHD else _native.TokenOrder.HND
+        spec.staging_addr, spec.staging_bytes = self.staging.address, self.staging.nbytes
+        spec.staging_block_size, spec.staging_heads = layout.block_size, layout.num_heads
+        spec.staging_order = _native.TokenOrder.NHD if layout.order is TokenOrder.NHD else _native.TokenOrder.HND
+        spec.row_bytes, spec.num_tokens = g.row_bytes, self.num_tokens
+        return spec
+
+
+def staging_nbytes(cache: PagedKVCache | CacheGeometry, num_tokens: int, layout: StagingLayout | None = None) -> int:
+    """Bytes a staging buffer needs for ``num_tokens`` tokens in ``layout`` (default: the cache's own)."""
+    geometry = cache.geometry if isinstance(cache, PagedKVCache) else cache
+    return (layout or StagingLayout.like(geometry)).nbytes(geometry, num_tokens)
+
+
+def _check_block_ids(block_ids: BlockIds, geometry: CacheGeometry, num_tokens: int | None) -> tuple[
+    npt.NDArray[np.int64], int
+]:
+    ids = np.asarray(block_ids)
+    if ids.size == 0:
+        ids = ids.reshape(0).astype(np.int64)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise BlockIdError(f"block ids must be a 1-D sequence of integers, got {ids.dtype} {ids.shape}")
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= geometry.num_blocks):
+        bad = ids[(ids < 0) | (ids >= geometry.num_blocks)][0]
+        raise BlockIdError(f"block id {bad} is outside [0, {geometry.num_blocks})")
+    if np.unique(ids).size != ids.size:
+        values, counts = np.unique(ids, return_counts=True)
+        raise BlockIdError(f"block id {values[counts > 1][0]} appears more than once")
+    capacity = ids.size * geometry.block_size
+    tokens = capacity if num_tokens is None else int(num_tokens)
+    if not capacity - geometry.block_size < tokens <= capacity and not (tokens == 0 == ids.size):
+        raise BlockIdError(
+            f"{ids.size} blocks of {geometry.block_size} tokens cannot hold exactly {tokens} tokens "
+            "(pass one block per started block of tokens)"
+        )
+    return ids, tokens
+
+
+def plan_copy(
+    cache: PagedKVCache, block_ids: BlockIds, staging: Any, *, num_tokens: int | None = None,
+    layout: StagingLayout | None = None, head_offset: int = 0, staging_written: bool,
+) -> CopyPlan:
+    """Validate one pack (``staging_written=True``) or unpack; raise a named error on any problem."""
+    if not isinstance(cache, PagedKVCache):
+        raise LayoutError("pass a PagedKVCache (PagedKVCache.from_arrays(layers, kind))")
+    g = cache.geometry
+    layout = layout or StagingLayout.like(g, g.num_heads - head_offset if head_offset else None)
+    if layout.block_size <= 0 or layout.num_heads <= 0:
+        raise LayoutError(f"staging layout needs positive block size and heads, got {layout}")
+    if not 0 <= head_offset <= g.num_heads - layout.num_heads:
+        raise LayoutError(
+            f"heads [{head_offset}, {head_offset + layout.num_heads}) are outside the cache's {g.num_heads}"
+        )
+    ids, tokens = _check_block_ids(block_ids, g, num_tokens)
+    view = describe(staging)
+    if view.device != g.device:
+        raise StagingError(f"staging is on {view.device} but the cache is on {g.device}")
+    if not view.is_c_contiguous():
+        raise StagingError("staging must be C-contiguous")
+    if staging_written and not view.writeable:
+        raise StagingError("staging is read-only")
+    need = layout.nbytes(g, tokens)
+    if view.nbytes < need:
+        raise StagingError(f"staging holds {view.nbytes} bytes; {tokens} tokens in {layout} need {need}")
+    return CopyPlan(cache, ids, view, layout, tokens, head_offset)
+
+
+def _default_stream(plan: CopyPlan) -> int:
+    owner = plan.cache.layers[0].owner
+    if type(owner).__module__.startswith("torch"):
+        torch = sys.modules["torch"]
+        return int(torch.cuda.current_stream(owner.device).cuda_stream)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(owner, cupy.ndarray):
+        return int(cupy.cuda.get_current_stream().ptr)
+    return 0
+
+
+def _run(plan: CopyPlan, pack: bool, backend: Backend, stream: int | None) -> None:
+    if backend not in ("auto", "native", "reference"):
+        raise BackendError(f"backend must be 'auto', 'native' or 'reference', not {backend!r}")
+    if plan.cache.is_cuda:
+        if backend == "reference" or _native is None or not _native.build_info().cuda:
+            raise BackendError("CUDA arrays need the native CUDA build (install with KVSHUTTLE_CUDA=ON)")
+        direction = _native.Direction.PACK if pack else _native.Direction.UNPACK
+        _native.paged_copy_cuda(
+            plan.native_spec(), plan.cache.plane_bases, plan.block_ids, direction,
+            _default_stream(plan) if stream is None else stream,
+        )
+        return
+    if backend == "reference" or (backend == "auto" and _native is None):
+        staged = host_bytes(plan.staging.address, plan.staging.nbytes)
+        copy = reference.pack if pack else reference.unpack
+        args = (plan.cache, plan.block_ids, staged) if pack else (staged, plan.cache, plan.block_ids)
+        copy(*args, plan.layout, plan.num_tokens, plan.head_offset)  # type: ignore[operator]
+        return
+    if _native is None:
+        raise BackendError("the native extension is not built; reinstall kvshuttle or use backend='reference'")
+    direction = _native.Direction.PACK if pack else _native.Direction.UNPACK
+    _native.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, plan.block_ids, direction)
+
+
+def pack(
+    cache: PagedKVCache, block_ids: BlockIds, staging: Any, *, num_tokens: int | None = None,
+    layout: StagingLayout | None = None, head_offset: int = 0, stream: int | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """Gather blocks ``block_ids`` (any order) of every layer into the contiguous ``staging`` buffer.
+
+    Args:
+        cache: the source caches.
+        block_ids: paged block ids, in sequence order; block i holds tokens [i*B, (i+1)*B).
+        staging: a C-contiguous array on the cache's device with at least :func:`staging_nbytes` bytes.
+        num_tokens: tokens to copy (default: every slot of every block); the last block may be partial.
+        layout: the staging layout (default: the cache's own); a different order, block size or head count
+            transforms on the way.
+        head_offset: first cache head copied when ``layout.num_heads`` is a slice (tensor-parallel shard).
+        stream: CUDA stream handle for device caches.
+        backend: ``"native"``, ``"reference"`` or ``"auto"`` (native when built).
+    """
+    plan = plan_copy(cache, block_ids, staging, num_tokens=num_tokens, layout=layout,
+                     head_offset=head_offset, staging_written=True)
+    _run(plan, True, backend, stream)
+
+
+def unpack(
+    staging: Any, cache: PagedKVCache, block_ids: BlockIds, *, num_tokens: int | None = None,
+    layout: StagingLayout | None = None, head_offset: int = 0, stream: int | None = None,
+    backend: Backend = "auto",
+) -> None:
+    """Scatter a staging buffer (in ``layout``) into blocks ``block_ids`` of every layer: the inverse of pack.
+
+    Slots past ``num_tokens`` in the last block and heads outside the slice are left untouched.
+    """
+    plan = plan_copy(cache, block_ids, staging, num_tokens=num_tokens, layout=layout,
+                     head_offset=head_offset, staging_written=False)
+    _run(plan, False, backend, stream)

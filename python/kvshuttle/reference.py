@@ -1,0 +1,78 @@
+"""Plain numpy pack/unpack: the oracle of the tests and the fallback for host memory.
+
+Written for obviousness, not speed: fancy indexing per layer and a loop over staging units.
+Staging format: see :class:`kvshuttle.layout.StagingLayout`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .arrays import host_bytes
+from .layout import PagedKVCache, StagingLayout, TokenOrder
+
+Bytes = npt.NDArray[np.uint8]
+
+
+def layer_pages(cache: PagedKVCache, layer: int) -> Bytes:
+    """Layer ``layer`` of a host cache as a writable uint8 view ``[P, N, B, H, row_bytes]``."""
+    g = cache.geometry
+    start, nbytes = cache.regions()[layer]
+    flat = host_bytes(start, nbytes)
+    row = g.row_bytes
+    token_stride, head_stride = (g.num_heads * row, row) if g.order is TokenOrder.NHD else (row, g.block_size * row)
+    return np.lib.stride_tricks.as_strided(
+        flat,
+        shape=(g.planes_per_layer, g.num_blocks, g.block_size, g.num_heads, row),
+        strides=(g.plane_stride, g.block_stride, token_stride, head_stride, 1),
+    )
+
+
+def staging_units(staging: Bytes, cache: PagedKVCache, layout: StagingLayout, num_tokens: int) -> Bytes:
+    """The staging bytes as ``[unit, layer, plane, token, head, row_bytes]`` (a view, any order)."""
+    g = cache.geometry
+    units = layout.num_units(num_tokens)
+    shape = (units, g.num_layers, g.planes_per_layer)
+    used = staging[: layout.nbytes(g, num_tokens)]
+    if layout.order is TokenOrder.NHD:
+        return used.reshape(*shape, layout.block_size, layout.num_heads, g.row_bytes)
+    return used.reshape(*shape, layout.num_heads, layout.block_size, g.row_bytes).transpose(0, 1, 2, 4, 3, 5)
+
+
+def pack(
+    cache: PagedKVCache, block_ids: npt.NDArray[np.int64], staging: Bytes, layout: StagingLayout,
+    num_tokens: int, head_offset: int,
+) -> None:
+    """Gather ``num_tokens`` tokens from blocks ``block_ids`` (in order) into ``staging``."""
+    g = cache.geometry
+    units = staging_units(staging, cache, layout, num_tokens)
+    heads = slice(head_offset, head_offset + layout.num_heads)
+    for layer in range(g.num_layers):
+        pages = layer_pages(cache, layer)[:, block_ids]  # [P, n, B, H, R]
+        tokens = pages.reshape(g.planes_per_layer, -1, g.num_heads, g.row_bytes)[:, :num_tokens, heads]
+        for unit in range(units.shape[0]):
+            lo = unit * layout.block_size
+            hi = min(lo + layout.block_size, num_tokens)
+            units[unit, layer, :, : hi - lo] = tokens[:, lo:hi]
+
+
+def unpack(
+    staging: Bytes, cache: PagedKVCache, block_ids: npt.NDArray[np.int64], layout: StagingLayout,
+    num_tokens: int, head_offset: int,
+) -> None:
+    """Scatter ``num_tokens`` tokens from ``staging`` into blocks ``block_ids`` (in order)."""
+    g = cache.geometry
+    units = staging_units(staging, cache, layout, num_tokens)
+    heads = slice(head_offset, head_offset + layout.num_heads)
+    for layer in range(g.num_layers):
+        tokens = np.empty((g.planes_per_layer, num_tokens, layout.num_heads, g.row_bytes), dtype=np.uint8)
+        for unit in range(units.shape[0]):
+            lo = unit * layout.block_size
+            hi = min(lo + layout.block_size, num_tokens)
+            tokens[:, lo:hi] = units[unit, layer, :, : hi - lo]
+        pages = layer_pages(cache, layer)
+        for i, block in enumerate(block_ids):
+            lo = i * g.block_size
+            hi = min(lo + g.block_size, num_tokens)
+            pages[:, block, : hi - lo, heads] = tokens[:, lo:hi]
