@@ -1,0 +1,49 @@
+"""The ``kvshuttle`` command: ``info``, ``bench pack|plan|transfer``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+BENCHES = {"pack": "kvshuttle.bench.pack", "plan": "kvshuttle.bench.plan", "transfer": "kvshuttle.bench.transfer"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvshuttle", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="what was built and whether a GPU is usable")
+    bench = commands.add_parser("bench", help="microbenchmarks with ratios against a peer measured in the same run")
+    which = bench.add_subparsers(dest="bench", required=True)
+    for name, module_name in BENCHES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        sub = which.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(sub)
+        sub.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        sub.set_defaults(module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "info":
+        from . import build_info
+
+        print(json.dumps(build_info(), indent=2))
+        return 0
+    result = args.module.run(args)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        formatter = getattr(args.module, "format_table", None)
+        print(formatter(result) if formatter else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
