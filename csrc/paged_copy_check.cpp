@@ -11,10 +11,12 @@ void require(bool ok, const std::string& what) {
 }
 }  // namespace
 
-void check_paged_copy(const PagedCopySpec& s, const uint64_t* plane_bases, const int64_t* ids,
-                      int64_t num_ids) {
+void check_paged_copy(const PagedCopySpec& s, const uint64_t* plane_bases, int64_t num_plane_bases,
+                      const int64_t* ids, int64_t num_ids) {
   require(s.num_layers > 0 && (s.planes_per_layer == 1 || s.planes_per_layer == 2),
           "need num_layers > 0 and 1 or 2 planes per layer");
+  require(num_plane_bases == s.num_planes(), "plane table has " + std::to_string(num_plane_bases) +
+                                                 " entries, need " + std::to_string(s.num_planes()));
   require(s.block_size > 0 && s.staging_block_size > 0, "block sizes must be positive");
   require(s.num_heads > 0 && s.staging_heads > 0 && s.row_bytes > 0, "heads and row bytes must be positive");
   require(s.head_offset >= 0 && s.head_offset + s.staging_heads <= s.num_heads,

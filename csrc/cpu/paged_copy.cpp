@@ -116,9 +116,9 @@ void copy_items(const PagedCopySpec& s, const uint64_t* bases, const int64_t* id
 
 }  // namespace
 
-void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases, const int64_t* ids,
-                    int64_t num_ids, Direction direction) {
-  check_paged_copy(spec, plane_bases, ids, num_ids);
+void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
+                    int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction) {
+  check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
   const int64_t total_bytes = spec.num_tokens * spec.staging_heads * spec.row_bytes * spec.num_planes();
   const Copier copy{total_bytes >= kStreamingMinTotalBytes};
   parallel_for(num_ids * spec.num_planes(), [&](int64_t begin, int64_t end) {

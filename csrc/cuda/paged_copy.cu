@@ -120,9 +120,10 @@ int widest_vector(const PagedCopySpec& s, const uint64_t* bases) {
 
 }  // namespace
 
-void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases, const int64_t* ids,
-                     int64_t num_ids, Direction direction, uint64_t stream_handle) {
-  check_paged_copy(spec, plane_bases, ids, num_ids);
+void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
+                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction,
+                     uint64_t stream_handle) {
+  check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
   const int64_t items = num_ids * spec.num_planes();
   if (items == 0) return;
   if (items > INT32_MAX || spec.num_tokens > INT32_MAX || spec.num_blocks > INT32_MAX) {

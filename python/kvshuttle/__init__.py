@@ -31,9 +31,9 @@ __all__ = [
 
 def build_info() -> dict[str, Any]:
     """What was built (CPU path, CUDA path, architectures) and whether a GPU is usable now."""
-    from . import ops
+    from .ops import native_module
 
-    native = ops._native
+    native = native_module()
     if native is None:
         return {"version": __version__, "native": False, "cuda": False, "cuda_archs": [],
                 "gpu_available": False, "num_threads": 0}

@@ -39,7 +39,11 @@ class ArrayView:
         return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
 
     def is_c_contiguous(self) -> bool:
-        return self.strides == c_strides(self.shape, self.itemsize)
+        """numpy's rule: strides of length-1 axes do not matter, and an empty array is contiguous."""
+        if 0 in self.shape:
+            return True
+        expected = c_strides(self.shape, self.itemsize)
+        return all(n == 1 or got == want for n, got, want in zip(self.shape, self.strides, expected, strict=True))
 
 
 def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:

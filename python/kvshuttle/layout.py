@@ -10,6 +10,7 @@ regions, FlashInfer interleaves them per block).
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,20 @@ class TokenOrder(str, enum.Enum):
 
     NHD = "NHD"
     HND = "HND"
+
+
+def cache_kind(value: CacheKind | str) -> CacheKind:
+    try:
+        return CacheKind(value)
+    except ValueError:
+        raise LayoutError(f"unknown cache kind {value!r}; use one of {[k.value for k in CacheKind]}") from None
+
+
+def token_order(value: TokenOrder | str) -> TokenOrder:
+    try:
+        return TokenOrder(value)
+    except ValueError:
+        raise LayoutError(f"unknown token order {value!r}; use 'NHD' or 'HND'") from None
 
 
 _LOGICAL_NDIM = {CacheKind.FLASH_ATTN: 5, CacheKind.FLASHINFER: 5, CacheKind.MLA: 3}
@@ -97,6 +112,11 @@ class StagingLayout:
     block_size: int
     num_heads: int
     order: TokenOrder = TokenOrder.NHD
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "order", token_order(self.order))
+        if self.block_size <= 0 or self.num_heads <= 0:
+            raise LayoutError(f"a staging layout needs positive block size and heads, got {self}")
 
     @classmethod
     def like(cls, geometry: CacheGeometry, num_heads: int | None = None) -> StagingLayout:
@@ -189,14 +209,14 @@ class PagedKVCache:
 
         ``order`` is read from the strides (vLLM's HND caches are permuted views); pass it to assert it.
         """
-        kind = CacheKind(kind)
+        kind = cache_kind(kind)
         if len(layers) == 0:
             raise LayoutError("need at least one layer")
         views = [describe(x) for x in layers]
         first = views[0]
         shape, strides = _canonical(first, kind)
         orders = _piece_orders(shape, strides, first.itemsize)
-        piece_order = orders[0] if order is None else TokenOrder(order)
+        piece_order = orders[0] if order is None else token_order(order)
         if piece_order not in orders:
             raise LayoutError(f"the strides say {orders[0].value}, but order={piece_order.value}")
         _, num_blocks, block_size, num_heads, head_size = shape
@@ -227,7 +247,7 @@ class PagedKVCache:
                     f"layer {index} differs from layer 0: shape/strides/dtype/device {got} vs {want}"
                 )
         spans = sorted(_span(v.address, shape, strides, geometry.piece_bytes) for v in views)
-        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(spans):
             if start < end:
                 raise LayoutError("two layers share memory; pass each layer's own cache tensor once")
         offsets = np.arange(geometry.planes_per_layer, dtype=np.uint64) * np.uint64(max(strides[0], 0))

@@ -7,9 +7,11 @@ torch or cupy stream of the arrays' framework) and returns before the copy finis
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
@@ -20,10 +22,11 @@ from .arrays import ArrayView, describe, host_bytes
 from .errors import BackendError, BlockIdError, LayoutError, StagingError
 from .layout import CacheGeometry, PagedKVCache, StagingLayout, TokenOrder
 
+_native: ModuleType | None
 try:
     from . import _native
 except ImportError:  # a source checkout without a build: the reference still works on host memory
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 Backend = Literal["auto", "native", "reference"]
 BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]]
@@ -42,14 +45,15 @@ class CopyPlan:
 
     def native_spec(self) -> Any:
         g, layout = self.cache.geometry, self.layout
-        spec = _native.PagedCopySpec()
+        native = require_native()
+        spec = native.PagedCopySpec()
         spec.num_layers, spec.planes_per_layer = g.num_layers, g.planes_per_layer
         spec.num_blocks, spec.block_stride = g.num_blocks, g.block_stride
         spec.block_size, spec.num_heads, spec.head_offset = g.block_size, g.num_heads, self.head_offset
-        spec.order = _native.TokenOrder.NHD if g.order is TokenOrder.NHD else _native.TokenOrder.HND
+        spec.order = native.TokenOrder.NHD if g.order is TokenOrder.NHD else native.TokenOrder.HND
         spec.staging_addr, spec.staging_bytes = self.staging.address, self.staging.nbytes
         spec.staging_block_size, spec.staging_heads = layout.block_size, layout.num_heads
-        spec.staging_order = _native.TokenOrder.NHD if layout.order is TokenOrder.NHD else _native.TokenOrder.HND
+        spec.staging_order = native.TokenOrder.NHD if layout.order is TokenOrder.NHD else native.TokenOrder.HND
         spec.row_bytes, spec.num_tokens = g.row_bytes, self.num_tokens
         return spec
 
@@ -76,8 +80,11 @@ def _check_block_ids(block_ids: BlockIds, geometry: CacheGeometry, num_tokens: i
         values, counts = np.unique(ids, return_counts=True)
         raise BlockIdError(f"block id {values[counts > 1][0]} appears more than once")
     capacity = ids.size * geometry.block_size
-    tokens = capacity if num_tokens is None else int(num_tokens)
-    if not capacity - geometry.block_size < tokens <= capacity and not (tokens == 0 == ids.size):
+    try:
+        tokens = capacity if num_tokens is None else operator.index(num_tokens)
+    except TypeError:
+        raise BlockIdError(f"num_tokens must be an integer, got {num_tokens!r}") from None
+    if tokens < 0 or not (capacity - geometry.block_size < tokens <= capacity or tokens == 0 == ids.size):
         raise BlockIdError(
             f"{ids.size} blocks of {geometry.block_size} tokens cannot hold exactly {tokens} tokens "
             "(pass one block per started block of tokens)"
@@ -94,8 +101,6 @@ def plan_copy(
         raise LayoutError("pass a PagedKVCache (PagedKVCache.from_arrays(layers, kind))")
     g = cache.geometry
     layout = layout or StagingLayout.like(g, g.num_heads - head_offset if head_offset else None)
-    if layout.block_size <= 0 or layout.num_heads <= 0:
-        raise LayoutError(f"staging layout needs positive block size and heads, got {layout}")
     if not 0 <= head_offset <= g.num_heads - layout.num_heads:
         raise LayoutError(
             f"heads [{head_offset}, {head_offset + layout.num_heads}) are outside the cache's {g.num_heads}"
@@ -108,6 +113,8 @@ def plan_copy(
         raise StagingError("staging must be C-contiguous")
     if staging_written and not view.writeable:
         raise StagingError("staging is read-only")
+    if not staging_written and not all(layer.writeable for layer in cache.layers):
+        raise LayoutError("the destination cache is read-only")
     need = layout.nbytes(g, tokens)
     if view.nbytes < need:
         raise StagingError(f"staging holds {view.nbytes} bytes; {tokens} tokens in {layout} need {need}")
@@ -139,14 +146,14 @@ def _run(plan: CopyPlan, pack: bool, backend: Backend, stream: int | None) -> No
         return
     if backend == "reference" or (backend == "auto" and _native is None):
         staged = host_bytes(plan.staging.address, plan.staging.nbytes)
-        copy = reference.pack if pack else reference.unpack
-        args = (plan.cache, plan.block_ids, staged) if pack else (staged, plan.cache, plan.block_ids)
-        copy(*args, plan.layout, plan.num_tokens, plan.head_offset)  # type: ignore[operator]
+        if pack:
+            reference.pack(plan.cache, plan.block_ids, staged, plan.layout, plan.num_tokens, plan.head_offset)
+        else:
+            reference.unpack(staged, plan.cache, plan.block_ids, plan.layout, plan.num_tokens, plan.head_offset)
         return
-    if _native is None:
-        raise BackendError("the native extension is not built; reinstall kvshuttle or use backend='reference'")
-    direction = _native.Direction.PACK if pack else _native.Direction.UNPACK
-    _native.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, plan.block_ids, direction)
+    native = require_native()
+    direction = native.Direction.PACK if pack else native.Direction.UNPACK
+    native.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, plan.block_ids, direction)
 
 
 def pack(
@@ -184,3 +191,14 @@ def unpack(
     plan = plan_copy(cache, block_ids, staging, num_tokens=num_tokens, layout=layout,
                      head_offset=head_offset, staging_written=False)
     _run(plan, False, backend, stream)
+
+
+def native_module() -> ModuleType | None:
+    """The compiled extension, or None when this is a source checkout without a build."""
+    return _native
+
+
+def require_native() -> ModuleType:
+    if _native is None:
+        raise BackendError("the native extension is not built; reinstall kvshuttle or use backend='reference'")
+    return _native

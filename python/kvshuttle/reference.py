@@ -76,3 +76,32 @@ def unpack(
             lo = i * g.block_size
             hi = min(lo + g.block_size, num_tokens)
             pages[:, block, : hi - lo, heads] = tokens[:, lo:hi]
+
+
+def plan_read(
+    unit_planes: npt.NDArray[np.int64], piece_bytes: int,
+    local_bases: npt.NDArray[np.uint64], local_ids: npt.NDArray[np.int64], local_stride: int,
+    local_device: int,
+    remote_bases: npt.NDArray[np.uint64], remote_ids: npt.NDArray[np.int64], remote_stride: int,
+    remote_device: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """NIXL (addr, len, dev) rows for both sides of a read; see :func:`kvshuttle.plan.plan_read`.
+
+    Pieces are enumerated ``for unit in unit_planes: for i in ids: for plane in unit`` and a piece joins the
+    previous descriptor when it starts exactly where that descriptor ends on both sides.
+    """
+    planes, ids = unit_planes[:, None, :], (slice(None), None)
+    local_addr = local_bases[planes] + local_ids.astype(np.uint64)[ids] * np.uint64(local_stride)
+    remote_addr = remote_bases[planes] + remote_ids.astype(np.uint64)[ids] * np.uint64(remote_stride)
+    local_addr, remote_addr = local_addr.reshape(-1), remote_addr.reshape(-1)
+    piece = np.uint64(piece_bytes)
+    joins = (local_addr[1:] == local_addr[:-1] + piece) & (remote_addr[1:] == remote_addr[:-1] + piece)
+    starts = np.flatnonzero(np.concatenate([[True], ~joins])) if local_addr.size else np.zeros(0, np.int64)
+    lengths = np.diff(np.append(starts, local_addr.size)).astype(np.uint64) * piece
+
+    def rows(addr: npt.NDArray[np.uint64], device: int) -> npt.NDArray[np.uint64]:
+        out = np.empty((starts.size, 3), dtype=np.uint64)
+        out[:, 0], out[:, 1], out[:, 2] = addr[starts], lengths, device
+        return out
+
+    return rows(local_addr, local_device), rows(remote_addr, remote_device)

@@ -8,8 +8,8 @@
 
 namespace kvshuttle {
 
-void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases, const int64_t* ids,
-                    int64_t num_ids, Direction direction);
+void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
+                    int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction);
 
 // memcpy of nbytes split over the same pool: the physical baseline the benchmarks compare against.
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes);

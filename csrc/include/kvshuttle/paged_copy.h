@@ -54,7 +54,8 @@ struct PagedCopySpec {
 
 // Throws std::invalid_argument when the spec is inconsistent or an id is out of range or repeated.
 // The Python layer validates first with named errors; this guards the raw native entry points.
-void check_paged_copy(const PagedCopySpec& spec, const uint64_t* plane_bases, const int64_t* ids,
-                      int64_t num_ids);
+// plane_bases must hold spec.num_planes() entries.
+void check_paged_copy(const PagedCopySpec& spec, const uint64_t* plane_bases, int64_t num_plane_bases,
+                      const int64_t* ids, int64_t num_ids);
 
 }  // namespace kvshuttle

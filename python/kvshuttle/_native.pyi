@@ -1,0 +1,57 @@
+"""Type stub of the compiled extension (csrc/bindings.cpp)."""
+
+import enum
+
+import numpy as np
+import numpy.typing as npt
+
+class TokenOrder(enum.Enum):
+    NHD = 0
+    HND = 1
+
+class Direction(enum.Enum):
+    PACK = 0
+    UNPACK = 1
+
+class PagedCopySpec:
+    num_layers: int
+    planes_per_layer: int
+    num_blocks: int
+    block_stride: int
+    block_size: int
+    num_heads: int
+    head_offset: int
+    order: TokenOrder
+    staging_addr: int
+    staging_bytes: int
+    staging_block_size: int
+    staging_heads: int
+    staging_order: TokenOrder
+    row_bytes: int
+    num_tokens: int
+    def __init__(self) -> None: ...
+    def required_staging_bytes(self) -> int: ...
+
+class BuildInfo:
+    @property
+    def version(self) -> str: ...
+    @property
+    def cuda(self) -> bool: ...
+    @property
+    def cuda_archs(self) -> str: ...
+    @property
+    def cuda_runtime_version(self) -> int: ...
+
+def paged_copy_cpu(
+    spec: PagedCopySpec, plane_bases: npt.NDArray[np.uint64], block_ids: npt.NDArray[np.int64],
+    direction: Direction,
+) -> None: ...
+def paged_copy_cuda(
+    spec: PagedCopySpec, plane_bases: npt.NDArray[np.uint64], block_ids: npt.NDArray[np.int64],
+    direction: Direction, stream: int = 0,
+) -> None: ...
+def parallel_memcpy(dst: int, src: int, nbytes: int) -> None: ...
+def num_threads() -> int: ...
+def set_num_threads(n: int) -> None: ...
+def build_info() -> BuildInfo: ...
+def cuda_device_count() -> int: ...
