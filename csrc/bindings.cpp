@@ -6,6 +6,7 @@
 #include "kvshuttle/build_info.h"
 #include "kvshuttle/cpu_copy.h"
 #include "kvshuttle/cuda_copy.h"
+#include "kvshuttle/descriptor_plan.h"
 #include "kvshuttle/thread_pool.h"
 
 namespace py = pybind11;
@@ -48,7 +49,7 @@ void register_copies(py::module_& m) {
       "paged_copy_cpu",
       [](const PagedCopySpec& spec, const PlaneTable& bases, const BlockIds& ids, Direction direction) {
         py::gil_scoped_release release;
-        paged_copy_cpu(spec, bases.data(), ids.data(), ids.size(), direction);
+        paged_copy_cpu(spec, bases.data(), bases.size(), ids.data(), ids.size(), direction);
       },
       py::arg("spec"), py::arg("plane_bases"), py::arg("block_ids"), py::arg("direction"));
   m.def(
@@ -56,7 +57,7 @@ void register_copies(py::module_& m) {
       [](const PagedCopySpec& spec, const PlaneTable& bases, const BlockIds& ids, Direction direction,
          uint64_t stream) {
         py::gil_scoped_release release;
-        paged_copy_cuda(spec, bases.data(), ids.data(), ids.size(), direction, stream);
+        paged_copy_cuda(spec, bases.data(), bases.size(), ids.data(), ids.size(), direction, stream);
       },
       py::arg("spec"), py::arg("plane_bases"), py::arg("block_ids"), py::arg("direction"),
       py::arg("stream") = 0);
@@ -73,4 +74,5 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "kvshuttle native core: paged KV pack/unpack (CPU, CUDA)";
   register_types(m);
   register_copies(m);
+  register_plan(m);
 }
