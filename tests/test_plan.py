@@ -338,8 +338,8 @@ def test_bad_reads_raise_named_errors(rng, backend):
         (BlockIdError, "local block id -1 is outside", side, [-1], [0]),
         (BlockIdError, "remote block id 9 is outside", side, [0], [9]),
         (BlockIdError, "local block id 3 appears more than once", side, [3, 1, 3], [0, 1, 2]),
-        (BlockIdError, "1-D integers", side, [[0]], [[0]]),
-        (BlockIdError, "1-D integers", side, [0.0], [0]),
+        (BlockIdError, "1-D sequence of integers", side, [[0]], [[0]]),
+        (BlockIdError, "1-D sequence of integers", side, [0.0], [0]),
         (BlockIdError, "not a block id", side, np.array([2**64 - 1], dtype=np.uint64), [0]),
         (BlockIdError, "remote block id 8 is outside", side, [2, 1], [8, 0]),  # unsorted: checked after
     ]

@@ -1,4 +1,4 @@
-// CUDA pack/unpack: one launch covers every (block id, layer-plane) piece; one CTA per piece.
+// CUDA pack/unpack: one launch covers every (block id, layer-plane) piece; one warp per piece.
 // Vector width is the widest of 16/8/4/2/1 bytes that divides the row and every address and stride.
 #include <cuda_runtime.h>
 
@@ -8,6 +8,14 @@
 #include <vector>
 
 #include "kvshuttle/cuda_copy.h"
+
+// Tuning knobs (compile-time): vectors in flight per lane, and streaming cache hints for one-touch data.
+#ifndef KVSHUTTLE_CUDA_UNROLL
+#define KVSHUTTLE_CUDA_UNROLL 4
+#endif
+#ifndef KVSHUTTLE_CUDA_CACHE_HINTS
+#define KVSHUTTLE_CUDA_CACHE_HINTS 1
+#endif
 
 namespace kvshuttle {
 namespace {
@@ -30,69 +38,122 @@ struct KernelGeometry {
 
 template <typename Vec>
 __device__ __forceinline__ Vec load_once(const Vec* p) { return *p; }
-template <>
-__device__ __forceinline__ uint4 load_once<uint4>(const uint4* p) { return __ldcs(p); }
 template <typename Vec>
 __device__ __forceinline__ void store_once(Vec* p, Vec v) { *p = v; }
+#if KVSHUTTLE_CUDA_CACHE_HINTS
+template <>
+__device__ __forceinline__ uint4 load_once<uint4>(const uint4* p) { return __ldcs(p); }
 template <>
 __device__ __forceinline__ void store_once<uint4>(uint4* p, uint4 v) { __stcs(p, v); }
+#endif
 
-template <typename Vec, bool kPack>
-__device__ __forceinline__ void move(char* paged, char* staged) {
-  if (kPack) {
-    store_once(reinterpret_cast<Vec*>(staged), load_once(reinterpret_cast<const Vec*>(paged)));
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kUnroll = KVSHUTTLE_CUDA_UNROLL;  // vectors in flight per lane: loads issue before the stores
+
+// One (block id, layer-plane) piece being copied.
+struct Piece {
+  char* paged;      // the paged block of this plane
+  char* staged;     // the staging piece of unit i (flat path) or of this plane in unit 0 (general path)
+  uint32_t first;   // first token of the piece in the copied sequence
+  uint32_t ntok;    // tokens of this piece that are copied (the last block may be partial)
+};
+
+// Addresses of vector e of a piece on both sides.
+template <typename Vec, bool kFlat>
+__device__ __forceinline__ void locate(const KernelGeometry& g, const Piece& piece, uint32_t e, char*& paged,
+                                       char*& staged) {
+  if (kFlat) {  // same geometry on both sides: the piece is one contiguous run
+    paged = piece.paged + uint64_t(e) * sizeof(Vec);
+    staged = piece.staged + uint64_t(e) * sizeof(Vec);
+    return;
+  }
+  const uint32_t v = e % g.row_vecs, row = e / g.row_vecs;
+  // Walk rows in the paged side's order so consecutive lanes read consecutive memory.
+  uint32_t j, h;
+  if (g.paged_nhd) {
+    h = row % g.staging_heads;
+    j = row / g.staging_heads;
   } else {
-    store_once(reinterpret_cast<Vec*>(paged), load_once(reinterpret_cast<const Vec*>(staged)));
+    j = row % piece.ntok;
+    h = row / piece.ntok;
+  }
+  const uint32_t t = piece.first + j, unit = t / g.staging_block_size, k = t % g.staging_block_size;
+  const uint64_t paged_row = g.paged_nhd ? uint64_t(j) * g.num_heads + g.head_offset + h
+                                         : uint64_t(g.head_offset + h) * g.block_size + j;
+  const uint64_t staged_row = g.staged_nhd ? uint64_t(k) * g.staging_heads + h
+                                           : uint64_t(h) * g.staging_block_size + k;
+  paged = piece.paged + paged_row * g.row_bytes + v * sizeof(Vec);
+  staged = piece.staged + uint64_t(unit) * g.unit_bytes + staged_row * g.row_bytes + v * sizeof(Vec);
+}
+
+// One warp per piece, pieces strided over a grid of about one wave: small pieces (4 KiB at TP8) would
+// otherwise pay a CTA launch each, and large ones keep kUnroll vectors in flight per lane.
+template <typename Vec, bool kPack, bool kFlat>
+__global__ void __launch_bounds__(kThreads)
+    paged_copy_kernel(KernelGeometry g, uint32_t items, const uint64_t* __restrict__ bases,
+                      const int32_t* __restrict__ ids) {
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t warps = gridDim.x * kWarpsPerBlock;
+  for (uint32_t item = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32; item < items; item += warps) {
+    const uint32_t i = item / g.planes, lp = item % g.planes;
+    Piece piece;
+    piece.paged = reinterpret_cast<char*>(bases[lp]) + static_cast<uint64_t>(ids[i]) * g.block_stride;
+    piece.first = i * g.block_size;
+    piece.ntok = min(g.block_size, g.num_tokens - piece.first);
+    piece.staged = g.staging + uint64_t(lp) * g.piece_bytes + (kFlat ? uint64_t(i) * g.unit_bytes : 0);
+    const uint32_t n = piece.ntok * g.staging_heads * g.row_vecs;
+    for (uint32_t base = lane; base < n; base += 32 * kUnroll) {
+      Vec values[kUnroll];
+      char* targets[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t e = base + u * 32;
+        if (e < n) {
+          char *paged, *staged;
+          locate<Vec, kFlat>(g, piece, e, paged, staged);
+          values[u] = load_once(reinterpret_cast<const Vec*>(kPack ? paged : staged));
+          targets[u] = kPack ? staged : paged;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * 32 < n) store_once(reinterpret_cast<Vec*>(targets[u]), values[u]);
+      }
+    }
   }
 }
 
+// Blocks that fit on the whole GPU at once for this kernel: the grid-stride loop does the rest.
+template <typename Kernel>
+uint32_t one_wave_of_blocks(Kernel kernel) {
+  int device = 0, sms = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  static int blocks_per_sm = 0;  // per kernel instantiation; depends only on the architecture
+  if (blocks_per_sm == 0) {
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  }
+  return static_cast<uint32_t>(sms * std::max(1, blocks_per_sm));
+}
+
 template <typename Vec, bool kPack, bool kFlat>
-__global__ void paged_copy_kernel(KernelGeometry g, const uint64_t* __restrict__ bases,
-                                  const int32_t* __restrict__ ids) {
-  const uint32_t item = blockIdx.x;
-  const uint32_t i = item / g.planes, lp = item % g.planes;
-  char* paged = reinterpret_cast<char*>(bases[lp]) + static_cast<uint64_t>(ids[i]) * g.block_stride;
-  const uint32_t first = i * g.block_size;
-  const uint32_t ntok = min(g.block_size, g.num_tokens - first);
-  if (kFlat) {  // same geometry on both sides: the piece is one contiguous run
-    char* staged = g.staging + static_cast<uint64_t>(i) * g.unit_bytes + lp * g.piece_bytes;
-    const uint32_t n = ntok * g.num_heads * g.row_vecs;
-    for (uint32_t e = threadIdx.x; e < n; e += blockDim.x) {
-      move<Vec, kPack>(paged + e * sizeof(Vec), staged + e * sizeof(Vec));
-    }
-    return;
-  }
-  const uint32_t n = ntok * g.staging_heads * g.row_vecs;
-  for (uint32_t e = threadIdx.x; e < n; e += blockDim.x) {
-    const uint32_t v = e % g.row_vecs, row = e / g.row_vecs;
-    // Walk rows in the paged side's order so consecutive threads read consecutive memory.
-    uint32_t j, h;
-    if (g.paged_nhd) {
-      h = row % g.staging_heads;
-      j = row / g.staging_heads;
-    } else {
-      j = row % ntok;
-      h = row / ntok;
-    }
-    const uint32_t t = first + j, unit = t / g.staging_block_size, k = t % g.staging_block_size;
-    const uint64_t paged_row = g.paged_nhd ? uint64_t(j) * g.num_heads + g.head_offset + h
-                                           : uint64_t(g.head_offset + h) * g.block_size + j;
-    const uint64_t staged_row = g.staged_nhd ? uint64_t(k) * g.staging_heads + h
-                                             : uint64_t(h) * g.staging_block_size + k;
-    char* staged = g.staging + uint64_t(unit) * g.unit_bytes + lp * g.piece_bytes;
-    move<Vec, kPack>(paged + paged_row * g.row_bytes + v * sizeof(Vec),
-                     staged + staged_row * g.row_bytes + v * sizeof(Vec));
-  }
+void launch_one(const KernelGeometry& g, uint32_t items, const uint64_t* bases, const int32_t* ids,
+                cudaStream_t stream) {
+  auto kernel = paged_copy_kernel<Vec, kPack, kFlat>;
+  const uint32_t wanted = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const uint32_t grid = std::min(wanted, one_wave_of_blocks(kernel));
+  kernel<<<grid, kThreads, 0, stream>>>(g, items, bases, ids);
 }
 
 template <typename Vec, bool kPack>
 void launch(const KernelGeometry& g, bool flat, uint32_t items, const uint64_t* bases, const int32_t* ids,
             cudaStream_t stream) {
-  constexpr int kThreads = 256;
   if (flat) {
-    paged_copy_kernel<Vec, kPack, true><<<items, kThreads, 0, stream>>>(g, bases, ids);
+    launch_one<Vec, kPack, true>(g, items, bases, ids, stream);
   } else {
-    paged_copy_kernel<Vec, kPack, false><<<items, kThreads, 0, stream>>>(g, bases, ids);
+    launch_one<Vec, kPack, false>(g, items, bases, ids, stream);
   }
 }
 
@@ -163,15 +224,21 @@ void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
   // A partial last block is contiguous only in NHD order.
   const bool flat = spec.is_flat() && (spec.order == TokenOrder::NHD || spec.num_tokens % spec.block_size == 0);
 
+  std::string failure;
   if (err == cudaSuccess) {
-    if (direction == Direction::Pack) {
-      launch_widest<true>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
-    } else {
-      launch_widest<false>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
+    try {
+      if (direction == Direction::Pack) {
+        launch_widest<true>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
+      } else {
+        launch_widest<false>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
+      }
+      err = cudaGetLastError();
+    } catch (const std::exception& e) {
+      failure = e.what();
     }
-    err = cudaGetLastError();
   }
-  const cudaError_t free_err = cudaFreeAsync(scratch, stream);
+  const cudaError_t free_err = cudaFreeAsync(scratch, stream);  // stream-ordered: after the kernel
+  if (!failure.empty()) throw std::runtime_error(failure);
   cuda_check(err, "paged copy launch");
   cuda_check(free_err, "cudaFreeAsync");
 }

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -19,6 +18,7 @@ import numpy.typing as npt
 
 from . import reference
 from .arrays import ArrayView, describe, host_bytes
+from .block_ids import BlockIds, check_ids
 from .errors import BackendError, BlockIdError, LayoutError, StagingError
 from .layout import CacheGeometry, PagedKVCache, StagingLayout, TokenOrder
 
@@ -29,7 +29,6 @@ except ImportError:  # a source checkout without a build: the reference still wo
     _native = None
 
 Backend = Literal["auto", "native", "reference"]
-BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 @dataclass(frozen=True)
@@ -67,18 +66,7 @@ def staging_nbytes(cache: PagedKVCache | CacheGeometry, num_tokens: int, layout:
 def _check_block_ids(block_ids: BlockIds, geometry: CacheGeometry, num_tokens: int | None) -> tuple[
     npt.NDArray[np.int64], int
 ]:
-    ids = np.asarray(block_ids)
-    if ids.size == 0:
-        ids = ids.reshape(0).astype(np.int64)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise BlockIdError(f"block ids must be a 1-D sequence of integers, got {ids.dtype} {ids.shape}")
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= geometry.num_blocks):
-        bad = ids[(ids < 0) | (ids >= geometry.num_blocks)][0]
-        raise BlockIdError(f"block id {bad} is outside [0, {geometry.num_blocks})")
-    if np.unique(ids).size != ids.size:
-        values, counts = np.unique(ids, return_counts=True)
-        raise BlockIdError(f"block id {values[counts > 1][0]} appears more than once")
+    ids = check_ids(block_ids, geometry.num_blocks)
     capacity = ids.size * geometry.block_size
     try:
         tokens = capacity if num_tokens is None else operator.index(num_tokens)

@@ -15,7 +15,6 @@ K and V) are walked layer by layer, block by block, plane by plane. Ids are sort
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
@@ -25,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import reference
+from .block_ids import BlockIds, as_ids, check_ids
 from .errors import BackendError, BlockIdError, LayoutError
 from .layout import PagedKVCache
 
@@ -35,7 +35,7 @@ except ImportError:
     _native = None
 
 Backend = Literal["auto", "native", "reference"]
-BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+
 Descriptors = npt.NDArray[np.uint64]
 Ids = npt.NDArray[np.int64]
 
@@ -195,32 +195,11 @@ class ReadPlan:
         return self.total_bytes / self.num_descriptors if self.num_descriptors else 0.0
 
 
-def _as_ids(block_ids: BlockIds, side: str) -> Ids:
-    """Block ids as a 1-D contiguous int64 array; BlockIdError for other shapes and types."""
-    ids = np.asarray(block_ids)
-    if ids.size == 0:
-        ids = ids.reshape(0).astype(np.int64)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise BlockIdError(f"{side} block ids must be 1-D integers, got {ids.dtype} {ids.shape}")
-    if ids.dtype.kind == "u" and ids.size and ids.max() > np.iinfo(np.int64).max:
-        raise BlockIdError(f"{side} block id {ids.max()} is not a block id")
-    return np.ascontiguousarray(ids, dtype=np.int64)
-
-
-def check_ids(block_ids: BlockIds, num_blocks: int, side: str) -> Ids:
-    """1-D int64 block ids in ``[0, num_blocks)``; BlockIdError otherwise (``side`` names them)."""
-    ids = _as_ids(block_ids, side)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        bad = ids[(ids < 0) | (ids >= num_blocks)][0]
-        raise BlockIdError(f"{side} block id {bad} is outside [0, {num_blocks})")
-    return ids
-
-
 def _sorted_pairs(local: SideGeometry, local_ids: Ids, remote: SideGeometry,
                   remote_ids: Ids) -> tuple[Ids, Ids]:
     """The id pairs, validated, sorted by local id; BlockIdError when a local id repeats."""
-    local_ids = check_ids(local_ids, local.num_blocks, "local")
-    remote_ids = check_ids(remote_ids, remote.num_blocks, "remote")
+    local_ids = check_ids(local_ids, local.num_blocks, "local", unique=False)
+    remote_ids = check_ids(remote_ids, remote.num_blocks, "remote", unique=False)
     if local_ids.size > 1 and np.any(local_ids[1:] < local_ids[:-1]):
         order = np.argsort(local_ids, kind="stable")
         local_ids, remote_ids = local_ids[order], remote_ids[order]
@@ -279,7 +258,7 @@ def plan_read(
     if backend not in ("auto", "native", "reference"):
         raise BackendError(f"backend must be 'auto', 'native' or 'reference', not {backend!r}")
     _check_sides(local, remote)
-    lids, rids = _as_ids(local_ids, "local"), _as_ids(remote_ids, "remote")
+    lids, rids = as_ids(local_ids, "local"), as_ids(remote_ids, "remote")
     if lids.size != rids.size:
         raise BlockIdError(f"{lids.size} local block ids but {rids.size} remote ones; pass one per block")
     units = local.enumeration_units

@@ -30,3 +30,15 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b > 0 else float("inf")
+
+
+def batched_seconds(fn: Callable[[], object], repeat: int, sync: Callable[[], object], batches: int = 3) -> float:
+    """Seconds per call with ``repeat`` calls enqueued back to back before one ``sync`` (GPU throughput).
+
+    The median over ``batches`` batches, after a warm-up batch.
+    """
+    def one_batch() -> None:
+        for _ in range(repeat):
+            fn()
+
+    return median_seconds(one_batch, batches, warmup=1, sync=sync) / repeat

@@ -1,0 +1,46 @@
+"""Block-id validation shared by pack/unpack, the read planner and the transfer engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import BlockIdError
+
+BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+Ids = npt.NDArray[np.int64]
+
+
+def as_ids(block_ids: BlockIds, side: str = "") -> Ids:
+    """Block ids as a 1-D contiguous int64 array; BlockIdError for other shapes and types."""
+    prefix = f"{side} " if side else ""
+    ids = np.asarray(block_ids)
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise BlockIdError(f"{prefix}block ids must be a 1-D sequence of integers, got {ids.dtype} {ids.shape}")
+    if ids.dtype.kind == "u" and ids.max() > np.iinfo(np.int64).max:
+        raise BlockIdError(f"{prefix}block id {ids.max()} is not a block id")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def check_ids(block_ids: BlockIds, num_blocks: int, side: str = "", *, unique: bool = True) -> Ids:
+    """1-D int64 ids in ``[0, num_blocks)``, each at most once when ``unique``; BlockIdError otherwise."""
+    prefix = f"{side} " if side else ""
+    ids = as_ids(block_ids, side)
+    if ids.size == 0:
+        return ids
+    if ids.min() < 0 or ids.max() >= num_blocks:
+        bad = ids[(ids < 0) | (ids >= num_blocks)][0]
+        raise BlockIdError(f"{prefix}block id {bad} is outside [0, {num_blocks})")
+    if unique:
+        # A mask over the cache's blocks: O(ids + blocks), far cheaper than sorting on the hot path.
+        seen = np.zeros(num_blocks, dtype=np.bool_)
+        seen[ids] = True
+        if np.count_nonzero(seen) != ids.size:
+            values, counts = np.unique(ids, return_counts=True)
+            raise BlockIdError(f"{prefix}block id {values[counts > 1][0]} appears more than once")
+    return ids
