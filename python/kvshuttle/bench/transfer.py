@@ -1,0 +1,252 @@
+"""``kvshuttle bench transfer``: direct vs packed vs a raw per-block NIXL peer, between two processes.
+
+An owner process (spawned) serves a paged cache; this process reads blocks back through the same NIXL
+agent pair four ways and reports GB/s against a memcpy of the same bytes measured in the same run:
+
+* ``direct``: one READ built by the planner (runs contiguous on both sides coalesced), ``initialize_xfer``;
+* ``direct_prepped``: the same READ by index into lists prepared once (``make_prepped_xfer``);
+* ``packed``: the owner packs into staging chunks, the reader reads chunks and unpacks, pipelined;
+* ``raw_per_block``: vLLM's way: one descriptor per (layer, K/V, block), prepared once per side, one
+  ``make_prepped_xfer`` per read (NIXL merges runs contiguous on both sides by itself).
+
+Shapes are Qwen3-32B's (8 KV heads x 128 x bf16, 16-token blocks: 32 KiB pieces) and its TP8 shard
+(1 head: 4 KiB pieces), with fewer layers than the model's 64 so both caches fit this machine; the result
+says how many. Block ids are "scattered" (random on both sides) or "contiguous" (one run on each side).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..layout import CacheKind, PagedKVCache
+from .timing import gbps, median_seconds, ratio
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers_in_model: int
+    kv_heads: int
+    head_size: int
+    block_size: int
+    itemsize: int  # bf16 bytes (the bench moves bytes; a 2-byte integer stands in for bf16)
+
+
+SHAPES = {
+    "qwen3-32b-tp1": Shape("qwen3-32b-tp1", 64, 8, 128, 16, 2),
+    "qwen3-32b-tp8": Shape("qwen3-32b-tp8", 64, 1, 128, 16, 2),
+}
+METHODS = ("direct", "direct_prepped", "packed", "raw_per_block")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument("--layers", type=int, default=8, help="layers allocated (the model has 64)")
+    parser.add_argument("--blocks", type=int, default=256, help="blocks read per transfer (16 tokens each)")
+    parser.add_argument("--spare-blocks", type=int, default=256, help="cache blocks not read")
+    parser.add_argument("--pattern", choices=["scattered", "contiguous", "all"], default="all")
+    parser.add_argument("--chunk-mib", type=float, default=4.0, help="staging chunk size (MiB)")
+    parser.add_argument("--depth", type=int, default=2, help="staging chunks in flight per packed read")
+    parser.add_argument("--repeat", type=int, default=9, help="timed rounds (methods interleaved)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-verify", action="store_true", help="skip the byte check of each method")
+
+
+def _layers(shape: Shape, layers: int, blocks: int, seed: int) -> list[npt.NDArray[Any]]:
+    """FlashAttention NHD layers ``[2, N, B, H, D]`` of 2-byte words from ``seed`` (same in both processes)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(layers):
+        words = rng.integers(0, 2**63, size=2 * blocks * shape.block_size * shape.kv_heads * shape.head_size // 4,
+                             dtype=np.uint64)
+        out.append(words.view(np.uint16).reshape(2, blocks, shape.block_size, shape.kv_heads, shape.head_size))
+    return out
+
+
+def _owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config: dict[str, Any]) -> None:
+    from ..transfer import EngineConfig, TransferEngine
+
+    caches = _layers(shape, layers, blocks, seed)
+    with TransferEngine(PagedKVCache.from_arrays(caches, CacheKind.FLASH_ATTN), EngineConfig(**config)) as engine:
+        conn.send(engine.serve())
+        while not conn.poll(0.2):
+            pass
+
+
+def _raw_per_block(engine: Any, peer: Any) -> tuple[Any, Any]:
+    """vLLM-style prepared lists: one descriptor per (layer, K/V, block) on each side."""
+    from ..transfer.direct import all_pieces
+
+    agent = engine._agent  # the same agent pair as the engine's own reads
+    rmem = "VRAM" if peer.info.cache.mem_type == "VRAM" else "DRAM"
+    local = agent.prep_dlist(None, all_pieces(engine.side), engine.mem_type)
+    remote = agent.prep_dlist(peer.agent_name, all_pieces(peer.info.side), rmem)
+    return local, remote
+
+
+def _raw_read(engine: Any, peer: Any, lists: tuple[Any, Any], lids: npt.NDArray[np.int64],
+              rids: npt.NDArray[np.int64]) -> int:
+    from ..transfer.direct import piece_indices
+
+    agent = engine._agent
+    xfer = agent.make_prepped_xfer(lists[0], piece_indices(engine.side, lids), lists[1],
+                                   piece_indices(peer.info.side, rids))
+    try:
+        state = agent.post(xfer)
+        while state == "PROC":
+            state = agent.state(xfer)
+        if state != "DONE":
+            raise RuntimeError("raw per-block READ failed")
+        tel = agent.telemetry(xfer)
+        return int(tel.descriptors) if tel else int(lids.size) * engine.side.num_planes
+    finally:
+        agent.release(xfer)
+
+
+def _memcpy_seconds(native: Any, nbytes: int, repeat: int) -> float:
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    src_addr, dst_addr = src.ctypes.data, dst.ctypes.data
+    return median_seconds(lambda: native.parallel_memcpy(dst_addr, src_addr, nbytes), repeat)
+
+
+def _ids(pattern: str, blocks: int, total: int, rng: np.random.Generator) -> tuple[Any, Any]:
+    if pattern == "contiguous":
+        return np.arange(blocks, dtype=np.int64), np.arange(total - blocks, total, dtype=np.int64)
+    return rng.permutation(total)[:blocks].astype(np.int64), rng.permutation(total)[:blocks].astype(np.int64)
+
+
+class _Reader:
+    """The reading side of one run: a cache, two engines (initialize / prepped), the raw peer's lists."""
+
+    def __init__(self, shape: Shape, args: argparse.Namespace, total: int, config: dict[str, Any],
+                 address: str) -> None:
+        from ..transfer import EngineConfig, TransferEngine
+
+        dims = (2, total, shape.block_size, shape.kv_heads, shape.head_size)
+        self.layers = [np.zeros(dims, dtype=np.uint16) for _ in range(args.layers)]
+        for layer in self.layers:
+            layer.fill(1)  # fault the pages in before timing
+        self.cache = PagedKVCache.from_arrays(self.layers, CacheKind.FLASH_ATTN)
+        self.direct = TransferEngine(self.cache, EngineConfig(**config))
+        self.prepped = TransferEngine(self.cache, EngineConfig(**config, direct_mode="prepped"))
+        self.peer = self.direct.connect(address)
+        self.prepped_peer = self.prepped.connect(address)
+        self.raw_lists = _raw_per_block(self.direct, self.peer)
+        self.descriptors: dict[str, int] = {}
+
+    def read(self, name: str, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]) -> None:
+        if name == "raw_per_block":
+            self.descriptors[name] = _raw_read(self.direct, self.peer, self.raw_lists, lids, rids)
+            return
+        engine, peer = (self.prepped, self.prepped_peer) if name == "direct_prepped" else (self.direct, self.peer)
+        tel = engine.read(peer, lids, rids, path="packed" if name == "packed" else "direct").wait(120)
+        self.descriptors[name] = tel.nixl_descriptors or tel.descriptors
+
+    def close(self) -> None:
+        self.direct.close()
+        self.prepped.close()
+
+
+def _measure(reader: _Reader, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64], repeat: int,
+             source: list[npt.NDArray[Any]] | None) -> tuple[dict[str, float], dict[str, bool]]:
+    """Median seconds per method, the methods interleaved round by round (a noisy VM hits all alike)."""
+    verified = {}
+    for name in METHODS:  # warm-up, and one byte check per method
+        for layer in reader.layers:
+            layer[:, lids] = 0
+        reader.read(name, lids, rids)
+        if source is not None:
+            verified[name] = all(np.array_equal(layer[:, lids], src[:, rids])
+                                 for layer, src in zip(reader.layers, source, strict=True))
+    samples: dict[str, list[float]] = {name: [] for name in METHODS}
+    for _ in range(repeat):
+        for name in METHODS:
+            start = time.perf_counter()
+            reader.read(name, lids, rids)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}, verified
+
+
+def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str]) -> list[dict[str, Any]]:
+    from .. import _native
+
+    total = args.blocks + args.spare_blocks
+    config = {"staging_chunk_bytes": int(args.chunk_mib * (1 << 20)), "staging_chunks": max(4, 2 * args.depth),
+              "pipeline_depth": args.depth}
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_owner, args=(child, shape, args.layers, total, args.seed, config), daemon=True)
+    owner.start()
+    reader: _Reader | None = None
+    results = []
+    try:
+        if not parent.poll(120):
+            raise RuntimeError("the owner process did not start within 120 s")
+        reader = _Reader(shape, args, total, config, parent.recv())
+        source = None if args.no_verify else _layers(shape, args.layers, total, args.seed)
+        rng = np.random.default_rng(args.seed + 1)
+        g = reader.cache.geometry
+        for pattern in patterns:
+            lids, rids = _ids(pattern, args.blocks, total, rng)
+            nbytes = args.blocks * g.num_planes * g.piece_bytes
+            times, verified = _measure(reader, lids, rids, args.repeat, source)
+            times["memcpy"] = _memcpy_seconds(_native, nbytes, args.repeat)
+            rates = {name: round(gbps(nbytes, t), 3) for name, t in times.items()}
+            descriptors = dict(reader.descriptors)
+            results.append({
+                "shape": shape.name, "pattern": pattern, "layers": args.layers,
+                "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "bytes": nbytes,
+                "piece_bytes": g.piece_bytes, "pieces": args.blocks * g.num_planes,
+                "gbps": rates, "descriptors": descriptors,
+                "bytes_per_descriptor": {k: round(nbytes / v) for k, v in descriptors.items() if v},
+                "packed_vs_memcpy": ratio(rates["packed"], rates["memcpy"]),
+                "packed_vs_direct": ratio(rates["packed"], rates["direct"]),
+                "direct_vs_raw_per_block": ratio(rates["direct"], rates["raw_per_block"]),
+                "verified": verified,
+            })
+    finally:
+        if reader is not None:
+            reader.close()
+        parent.send("stop")
+        owner.join(10)
+        if owner.is_alive():
+            owner.kill()
+    return results
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from .. import _native
+
+    shapes = list(SHAPES.values()) if args.shape == "all" else [SHAPES[args.shape]]
+    patterns = ["scattered", "contiguous"] if args.pattern == "all" else [args.pattern]
+    start = time.perf_counter()
+    results = [r for shape in shapes for r in _run_shape(shape, args, patterns)]
+    return {
+        "bench": "transfer",
+        "transport": "NIXL UCX between two processes on one host (DRAM; CMA)",
+        "cpus": os.cpu_count(), "native_threads": int(_native.num_threads()),
+        "note": f"layers scaled to {args.layers} of the model's 64; bf16 moved as 2-byte words; "
+                f"staging chunks {args.chunk_mib} MiB, depth {args.depth}; medians of {args.repeat} runs",
+        "results": results,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [result["note"], f"{'shape':15} {'pattern':11} {'MiB':>6} " + " ".join(
+        f"{m:>14}" for m in (*METHODS, "memcpy")) + "  packed/memcpy packed/direct direct/raw"]
+    for r in result["results"]:
+        lines.append(f"{r['shape']:15} {r['pattern']:11} {r['bytes'] / 2**20:6.0f} " + " ".join(
+            f"{r['gbps'][m]:9.2f} GB/s" for m in (*METHODS, "memcpy"))
+            + f"  {r['packed_vs_memcpy']:13.2f} {r['packed_vs_direct']:13.2f} {r['direct_vs_raw_per_block']:10.2f}")
+        lines.append(" " * 34 + "descriptors: " + ", ".join(f"{k} {v}" for k, v in r["descriptors"].items()))
+    return "\n".join(lines)

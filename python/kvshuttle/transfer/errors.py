@@ -1,0 +1,76 @@
+"""Named transfer errors. Each says what went wrong and what to do; a failed read names its bad blocks.
+
+Every error raised for a read carries ``invalid_block_ids``: the *destination* (local) block ids that do
+not hold the requested data and must be recomputed (or read again). Blocks not listed were written
+completely. Errors raised before any read started (connect, handshake, configuration) have none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import BackendError, BlockIdError, KVShuttleError, StagingError
+
+
+class TransferError(KVShuttleError, RuntimeError):
+    """A transfer could not start or did not complete.
+
+    Attributes:
+        invalid_block_ids: local block ids whose content is not the requested data (recompute them).
+    """
+
+    def __init__(self, message: str, invalid_block_ids: Iterable[int] = ()) -> None:
+        self.invalid_block_ids: tuple[int, ...] = tuple(int(b) for b in invalid_block_ids)
+        if self.invalid_block_ids:
+            shown = ", ".join(str(b) for b in self.invalid_block_ids[:16])
+            more = "" if len(self.invalid_block_ids) <= 16 else f", ... ({len(self.invalid_block_ids)} in all)"
+            message = f"{message} [invalid local blocks: {shown}{more}]"
+        super().__init__(message)
+
+
+class NixlUnavailableError(TransferError, BackendError):
+    """NIXL is not installed, or a configured NIXL backend (e.g. LIBFABRIC) could not be created."""
+
+
+class SideChannelError(TransferError, OSError):
+    """The side channel could not bind its address (port in use?); pass port=0 to pick a free port."""
+
+
+class PeerUnreachableError(TransferError):
+    """Nothing answered on the peer's side channel within the connect timeout."""
+
+
+class IncompatiblePeerError(TransferError):
+    """The two caches cannot exchange blocks (dtype, head size, layer count, MLA vs K/V, path)."""
+
+
+class PeerLostError(TransferError):
+    """The peer stopped answering or its NIXL agent disconnected during a transfer."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer did not finish before its deadline; it was cancelled."""
+
+
+class TransferCancelledError(TransferError):
+    """The transfer was cancelled by the caller."""
+
+
+class BlockRangeError(TransferError, BlockIdError):
+    """Block ids out of range, repeated, or not matching the token count, on either side."""
+
+
+class StagingExhaustedError(TransferError):
+    """No free staging chunk on the owner or the reader for a packed read."""
+
+
+class StagingTooSmallError(TransferError, StagingError):
+    """A staging chunk cannot hold one aligned unit of the read: raise ``staging_chunk_bytes``."""
+
+
+class RemoteError(TransferError):
+    """The owner refused or failed a request for a reason not covered by a more specific error."""
+
+
+class ProtocolError(TransferError):
+    """A side-channel message did not have the expected shape (mismatched kvshuttle versions?)."""

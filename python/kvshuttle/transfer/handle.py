@@ -1,0 +1,160 @@
+"""Transfer handles (poll / wait / cancel) and the per-transfer telemetry record."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import TransferCancelledError, TransferError, TransferTimeoutError
+
+
+class TransferState(str, enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class TransferTelemetry:
+    """What one read cost. Times are seconds of wall clock on the reader.
+
+    ``prep_time_s``: validation, planning and descriptor creation; ``post_time_s``: inside NIXL's
+    ``transfer()`` calls (with UCX over CMA the copy itself happens there); ``transfer_time_s``: from the
+    call to ``read()`` until the data is in the local cache (unpack included for the packed path).
+    """
+
+    transfer_id: str
+    path: str  # "direct" or "packed"
+    reason: str  # why that path was chosen
+    bytes: int  # bytes moved over NIXL
+    descriptors: int  # NIXL descriptors posted (after coalescing)
+    pieces: int  # (layer, plane, block) pieces the read covers
+    chunks: int  # staging chunks (packed), 0 for direct
+    prep_time_s: float
+    post_time_s: float
+    transfer_time_s: float
+    unpack_time_s: float = 0.0  # packed: time spent unpacking chunks (overlaps with reads)
+    owner_pack_time_s: float = 0.0  # packed: time the owner spent packing chunks (overlaps too)
+    nixl_descriptors: int | None = None  # NIXL's own count after its merging, when it reports one
+
+    @property
+    def bytes_per_descriptor(self) -> float:
+        return self.bytes / self.descriptors if self.descriptors else 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.transfer_time_s / 1e9 if self.transfer_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bytes_per_descriptor": self.bytes_per_descriptor, "gbps": self.gbps}
+
+
+class TransferHandle:
+    """An asynchronous read into the local cache.
+
+    ``poll()`` never blocks; ``wait(timeout)`` blocks and returns the telemetry or raises the transfer's
+    named error (on its own timeout it cancels the transfer and raises TransferTimeoutError);
+    ``cancel()`` stops it. After a failure, ``invalid_block_ids`` lists the local blocks to recompute.
+    """
+
+    def __init__(self, transfer_id: str, path: str, reason: str, local_ids: npt.NDArray[np.int64]) -> None:
+        self.transfer_id = transfer_id
+        self.path = path
+        self.reason = reason
+        self.local_block_ids: tuple[int, ...] = tuple(int(b) for b in local_ids)
+        self.started = time.perf_counter()
+        self._state = TransferState.PENDING
+        self._error: TransferError | None = None
+        self._telemetry: TransferTelemetry | None = None
+        self._finished = threading.Event()
+        self._state_lock = threading.Lock()
+
+    # -- for subclasses -------------------------------------------------------------------------------------
+    def _progress(self) -> None:
+        """Advance without blocking (direct path: check NIXL state). Packed transfers advance on a thread."""
+
+    def _wait_step(self, timeout: float) -> None:
+        """Block for at most ``timeout`` seconds waiting for progress."""
+        self._finished.wait(timeout)
+
+    def _stop(self) -> None:
+        """Stop the transfer and free its resources; afterwards ``_finish`` must have been called."""
+
+    def _invalid_ids(self) -> tuple[int, ...]:
+        """Local blocks without valid data right now (all of them unless the path tracks chunks)."""
+        return () if self._state is TransferState.DONE else self.local_block_ids
+
+    def _finish(self, state: TransferState, telemetry: TransferTelemetry | None = None,
+                error: TransferError | None = None) -> None:
+        with self._state_lock:
+            if self._state is not TransferState.PENDING:
+                return
+            self._telemetry, self._error, self._state = telemetry, error, state
+        self._finished.set()
+
+    # -- public ---------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def telemetry(self) -> TransferTelemetry | None:
+        return self._telemetry
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    @property
+    def invalid_block_ids(self) -> tuple[int, ...]:
+        return self._invalid_ids()
+
+    def poll(self) -> TransferState:
+        if self._state is TransferState.PENDING:
+            self._progress()
+        return self._state
+
+    def done(self) -> bool:
+        return self.poll() is not TransferState.PENDING
+
+    def wait(self, timeout: float | None = None) -> TransferTelemetry:
+        """Block until the read finishes; return its telemetry or raise its named error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is TransferState.PENDING:
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                self._stop_with(TransferTimeoutError(
+                    f"transfer {self.transfer_id} ({self.path}) did not finish within {timeout:.3g} s and was "
+                    "cancelled; recompute the listed blocks or retry with a longer timeout",
+                    self._invalid_after_stop()))
+                break
+            self._wait_step(left)
+        if self._error is not None:
+            raise self._error
+        assert self._telemetry is not None
+        return self._telemetry
+
+    def cancel(self) -> None:
+        """Cancel the read (no-op when it already finished). ``wait()`` then raises TransferCancelledError."""
+        if self._state is TransferState.PENDING:
+            self._stop_with(TransferCancelledError(
+                f"transfer {self.transfer_id} was cancelled", self._invalid_after_stop()))
+
+    def _invalid_after_stop(self) -> tuple[int, ...]:
+        self._stop()
+        return self._invalid_ids()
+
+    def _stop_with(self, error: TransferError) -> None:
+        state = TransferState.CANCELLED if isinstance(error, TransferCancelledError) else TransferState.FAILED
+        self._finish(state, error=error)
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.transfer_id} {self.path} {self._state.value} "
+                f"{len(self.local_block_ids)} blocks>")

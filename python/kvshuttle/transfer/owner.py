@@ -1,0 +1,199 @@
+"""The owner's side of the side channel: handshake, ping, and packing blocks into staging for readers.
+
+A ``pack`` request starts a :class:`PackJob` thread. The job packs chunk after chunk into the staging
+slots it reserved, announces each (``ready``) and reuses a slot when the reader ``release``\\ s it, so the
+owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on
+``abort``, or when a ready chunk is not released within the staging lease (the reader died); its slots
+always go back to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import ops
+from ..block_ids import as_ids, check_ids
+from ..errors import BlockIdError, KVShuttleError, LayoutError
+from ..layout import PagedKVCache
+from .errors import StagingExhaustedError
+from .side_channel import SideChannelServer
+from .staging import StagingPool, layout_from_wire, plan_chunks
+from .wire import PeerInfo
+
+log = logging.getLogger(__name__)
+
+
+def _validate(cache: PagedKVCache, request: dict[str, Any]) -> None:
+    """Check a pack request against this cache before reserving anything (named errors)."""
+    g = cache.geometry
+    ids = check_ids(as_ids(request["ids"]), g.num_blocks, "owner")
+    tokens, per_chunk = int(request["num_tokens"]), int(request["chunk_tokens"])
+    if not (ids.size - 1) * g.block_size < tokens <= ids.size * g.block_size:
+        raise BlockIdError(f"{ids.size} owner blocks of {g.block_size} tokens cannot hold {tokens} tokens")
+    layout = layout_from_wire(request["layout"])
+    offset = int(request.get("head_offset", 0))
+    if not 0 <= offset <= g.num_heads - layout.num_heads:
+        raise LayoutError(f"heads [{offset}, {offset + layout.num_heads}) outside the owner's {g.num_heads}")
+    if per_chunk <= 0 or per_chunk % g.block_size or per_chunk % layout.block_size:
+        raise LayoutError(f"chunk of {per_chunk} tokens is not whole owner blocks and staging units")
+
+
+class PackJob:
+    """Packs one reader's request chunk by chunk into reserved staging slots (runs on its own thread)."""
+
+    def __init__(self, service: OwnerService, identity: bytes, tid: str, request: dict[str, Any],
+                 slots: list[int]) -> None:
+        self.service, self.identity, self.tid = service, identity, tid
+        cache = service.cache
+        g = cache.geometry
+        self.ids = as_ids(request["ids"])
+        self.num_tokens = int(request["num_tokens"])
+        self.layout = layout_from_wire(request["layout"])
+        self.head_offset = int(request.get("head_offset", 0))
+        self.chunks = plan_chunks(self.num_tokens, int(request["chunk_tokens"]), g.block_size, g.block_size,
+                                  self.layout, g.num_planes, g.row_bytes)
+        self.slots = slots
+        self._free = list(slots)
+        self._outstanding: dict[int, tuple[int, float]] = {}  # chunk -> (slot, time announced)
+        self._cond = threading.Condition()
+        self._aborted = False
+        self.thread = threading.Thread(target=self._run, name=f"kvshuttle-pack-{tid}", daemon=True)
+
+    def release(self, chunk: int) -> None:
+        with self._cond:
+            got = self._outstanding.pop(chunk, None)
+            if got is not None:
+                self._free.append(got[0])
+                self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def _lease_expired(self) -> bool:
+        lease = self.service.lease_s
+        now = time.monotonic()
+        return any(now - announced > lease for _, announced in self._outstanding.values())
+
+    def _take_slot(self) -> int | None:
+        with self._cond:
+            while not self._free and not self._aborted:
+                if self._lease_expired():
+                    log.warning("kvshuttle: reader of %s did not release staging within %.1f s; reclaiming",
+                                self.tid, self.service.lease_s)
+                    self._aborted = True
+                    break
+                self._cond.wait(0.1)
+            return None if self._aborted else self._free.pop()
+
+    def _drain(self) -> None:
+        with self._cond:
+            while self._outstanding and not self._aborted and not self._lease_expired():
+                self._cond.wait(0.1)
+
+    def _run(self) -> None:
+        emitter = self.service.server.emitter() if self.service.server else None
+        pool, cache = self.service.pool, self.service.cache
+        try:
+            for chunk in self.chunks:
+                slot = self._take_slot()
+                if slot is None:
+                    return
+                staging = pool.array(slot, chunk.nbytes)
+                packed_at = time.perf_counter()
+                ops.pack(cache, self.ids[chunk.remote], staging, num_tokens=chunk.num_tokens,
+                         layout=self.layout, head_offset=self.head_offset)
+                if self.service.pack_delay_s:
+                    time.sleep(self.service.pack_delay_s)
+                with self._cond:
+                    self._outstanding[chunk.index] = (slot, time.monotonic())
+                if emitter is not None:
+                    emitter.send(self.identity, {"op": "ready", "tid": self.tid, "chunk": chunk.index,
+                                                 "addr": pool.address(slot), "nbytes": chunk.nbytes,
+                                                 "pack_s": time.perf_counter() - packed_at})
+            self._drain()
+        except Exception as exc:
+            log.exception("kvshuttle: packing %s failed", self.tid)
+            if emitter is not None:
+                emitter.send(self.identity, {"op": "error", "tid": self.tid, "kind": "pack",
+                                             "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            pool.release(self.slots)
+            self.service.forget(self.identity, self.tid)
+            if emitter is not None:
+                emitter.close()
+
+
+class OwnerService:
+    """Answers a reader's side-channel requests for one engine."""
+
+    def __init__(self, cache: PagedKVCache, pool: StagingPool, info: Callable[[], PeerInfo],
+                 lease_s: float, pack_delay_s: float = 0.0, depth: int = 2) -> None:
+        self.cache, self.pool, self._info = cache, pool, info
+        self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
+        self.server: SideChannelServer | None = None
+        self._jobs: dict[tuple[bytes, str], PackJob] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def active_jobs(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def forget(self, identity: bytes, tid: str) -> None:
+        with self._lock:
+            self._jobs.pop((identity, tid), None)
+
+    def close(self, timeout: float = 2.0) -> None:
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.abort()
+        for job in jobs:
+            job.thread.join(timeout)
+
+    def handle(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any] | None:
+        op = message["op"]
+        if op == "hello":
+            return self._info().to_wire()
+        if op == "ping":
+            return {"op": "pong", "jobs": self.active_jobs}
+        if op == "pack":
+            return self._pack(identity, message)
+        if op in ("release", "abort"):
+            with self._lock:
+                job = self._jobs.get((identity, str(message.get("tid"))))
+            if job is not None:
+                if op == "release":
+                    job.release(int(message["chunk"]))
+                else:
+                    job.abort()
+            return None
+        return {"op": "error", "kind": "protocol", "message": f"unknown side-channel op {op!r}"}
+
+    def _pack(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any]:
+        tid = str(message["tid"])
+        if self.pool.slots == 0:
+            return {"op": "error", "tid": tid, "kind": "no_staging",
+                    "message": "this owner has no staging (staging_chunks=0); read with path='direct'"}
+        try:
+            _validate(self.cache, message)
+            slots = self.pool.reserve(min(int(message.get("window", self.depth)), 64), "owner")
+        except StagingExhaustedError as exc:
+            return {"op": "error", "tid": tid, "kind": "staging_exhausted", "message": str(exc)}
+        except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
+            return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
+        try:
+            job = PackJob(self, identity, tid, message, slots)
+        except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
+            self.pool.release(slots)
+            return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
+        with self._lock:
+            self._jobs[(identity, tid)] = job
+        job.thread.start()
+        return {"op": "packing", "tid": tid, "chunks": len(job.chunks), "slots": len(slots)}

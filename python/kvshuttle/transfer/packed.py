@@ -1,0 +1,280 @@
+"""The packed path, reader side: ask the owner to pack, read each chunk as it is ready, unpack it.
+
+One thread per transfer drives the pipeline over a side-channel connection borrowed from the peer (reused
+across transfers: a new TCP connection costs about a millisecond): the owner packs
+chunk i+1 while this thread READs chunk i into a local staging slot and the engine's unpack thread
+scatters chunk i-1 into the paged cache. A chunk's local blocks become valid when its unpack finishes;
+on any failure the handle lists exactly the blocks of chunks not unpacked.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from .. import ops
+from ..layout import PagedKVCache, StagingLayout
+from ._nixl import MemType, NixlAgent, NixlCallError
+from .errors import (
+    BlockRangeError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+    StagingExhaustedError,
+    TransferError,
+    TransferTimeoutError,
+)
+from .handle import TransferHandle, TransferState, TransferTelemetry
+from .side_channel import Connection, ConnectionLender
+from .staging import Chunk, StagingPool, layout_to_wire
+from .wire import NOTIF_PREFIX
+
+log = logging.getLogger(__name__)
+
+_REMOTE_ERRORS: dict[str, type[TransferError]] = {
+    "staging_exhausted": StagingExhaustedError,
+    "block_ids": BlockRangeError,
+}
+
+
+@dataclass
+class PackedSetup:
+    """Everything one packed read needs, validated by the engine."""
+
+    context: zmq.Context[Any]
+    address: str
+    peer: ConnectionLender
+    peer_agent: str
+    agent: NixlAgent
+    cache: PagedKVCache
+    pool: StagingPool
+    pool_mem: MemType
+    pool_device: int
+    remote_mem: MemType
+    remote_device: int
+    unpacker: ThreadPoolExecutor
+    local_ids: npt.NDArray[np.int64]
+    remote_ids: npt.NDArray[np.int64]
+    num_tokens: int
+    layout: StagingLayout
+    local_head_offset: int
+    remote_head_offset: int
+    chunk_tokens: int
+    chunks: list[Chunk]
+    depth: int
+    notify: bytes
+    deadline: float
+    peer_timeout_s: float
+    prep_time: float
+    reason: str
+
+
+class _Stopped(Exception):
+    """Internal: the caller asked the pipeline to stop."""
+
+
+class PackedTransfer(TransferHandle):
+    def __init__(self, transfer_id: str, setup: PackedSetup, started: float) -> None:
+        super().__init__(transfer_id, "packed", setup.reason, setup.local_ids)
+        self.started = started
+        self._s = setup
+        self._done_chunks: set[int] = set()
+        self._done_lock = threading.Lock()
+        self._stop_flag = threading.Event()
+        self._slots = setup.pool.reserve(setup.depth, "reader")
+        self._posts = 0.0
+        self._unpack_time = 0.0
+        self._owner_pack_time = 0.0
+        self._conn: Connection = setup.peer.checkout(setup.context)
+        try:  # ask from the caller's thread: the owner starts packing while our thread starts
+            self._conn.send({"op": "pack", "tid": transfer_id, "ids": setup.remote_ids.tolist(),
+                             "num_tokens": setup.num_tokens, "layout": layout_to_wire(setup.layout),
+                             "head_offset": setup.remote_head_offset, "chunk_tokens": setup.chunk_tokens,
+                             "window": setup.depth})
+        except zmq.ZMQError as exc:
+            setup.pool.release(self._slots)
+            setup.peer.checkin(self._conn, False)
+            raise PeerLostError(f"cannot send the pack request to {setup.address}: {exc}",
+                                setup.local_ids) from exc
+        self._thread = threading.Thread(target=self._run, name=f"kvshuttle-read-{transfer_id}", daemon=True)
+        self._thread.start()
+
+    # -- handle protocol ------------------------------------------------------------------------------------
+    def _stop(self) -> None:
+        self._stop_flag.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _invalid_ids(self) -> tuple[int, ...]:
+        if self._state is TransferState.DONE:
+            return ()
+        with self._done_lock:
+            done = set(self._done_chunks)
+        ids = self._s.local_ids
+        return tuple(int(b) for c in self._s.chunks if c.index not in done for b in ids[c.local])
+
+    @property
+    def chunks_done(self) -> int:
+        with self._done_lock:
+            return len(self._done_chunks)
+
+    # -- pipeline -------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        s = self._s
+        conn = self._conn
+        free = list(self._slots)
+        ready: deque[dict[str, Any]] = deque()
+        unpacking: dict[int, tuple[Future[float], int]] = {}
+        error: TransferError | None = None
+        finished, healthy = False, True
+        try:
+            heard, ping_sent = time.monotonic(), 0.0
+            while True:
+                self._check_stop()
+                self._reap(unpacking, free, block=False)
+                if len(self._done_chunks) == len(s.chunks):
+                    break
+                if ready and free:
+                    self._read_chunk(conn, ready.popleft(), free.pop(), unpacking)
+                    continue
+                if ready or (unpacking and len(self._done_chunks) + len(unpacking) == len(s.chunks)):
+                    self._reap(unpacking, free, block=True)
+                    continue
+                message = conn.receive(0.05)
+                now = time.monotonic()
+                if message is None:
+                    if ping_sent and now - ping_sent > s.peer_timeout_s:
+                        raise PeerLostError(f"owner at {s.address} stopped answering (no reply to a ping "
+                                            f"within {s.peer_timeout_s:.1f} s)")
+                    if not ping_sent and now - heard > s.peer_timeout_s:
+                        conn.send({"op": "ping"})
+                        ping_sent = now
+                    continue
+                heard, ping_sent = now, 0.0
+                self._on_message(message, ready)
+            finished = True  # every block is in place; a lost notification does not change that
+            try:
+                s.agent.send_notif(s.peer_agent, NOTIF_PREFIX + self.transfer_id.encode() + b":" + s.notify)
+            except NixlCallError as exc:
+                log.warning("kvshuttle: completion notification for %s not delivered: %s", self.transfer_id, exc)
+        except _Stopped:
+            pass
+        except (PeerLostError, ProtocolError) as exc:
+            error, healthy = exc, False
+        except TransferError as exc:
+            error = exc
+        except NixlCallError as exc:
+            error = (PeerLostError if exc.disconnected else TransferError)(
+                f"packed transfer {self.transfer_id}: {exc}")
+            healthy = not exc.disconnected
+        except Exception as exc:  # a bug or an unpack failure: report it as this transfer's failure
+            error = TransferError(f"packed transfer {self.transfer_id} failed: {type(exc).__name__}: {exc}")
+            healthy = False
+        finally:
+            self._cleanup(conn, unpacking, free, send_abort=not finished, healthy=healthy)
+        if finished:
+            self._finish(TransferState.DONE, telemetry=self._telemetry_record())
+        elif error is not None:
+            kind = type(error)
+            self._finish(TransferState.FAILED, error=kind(
+                f"{error.args[0] if error.args else error}; recompute the listed blocks", self._invalid_ids()))
+
+    def _check_stop(self) -> None:
+        if self._stop_flag.is_set():
+            raise _Stopped
+        if time.monotonic() > self._s.deadline:
+            raise TransferTimeoutError(f"packed transfer {self.transfer_id} passed its deadline "
+                                       f"({len(self._done_chunks)}/{len(self._s.chunks)} chunks done)")
+
+    def _on_message(self, message: dict[str, Any], ready: deque[dict[str, Any]]) -> None:
+        op = message["op"]
+        if message.get("tid", self.transfer_id) != self.transfer_id:
+            return  # late news of an earlier transfer on this reused connection
+        if op == "ready":
+            self._owner_pack_time += float(message.get("pack_s", 0.0))
+            ready.append(message)
+        elif op == "error":
+            kind = _REMOTE_ERRORS.get(str(message.get("kind")), RemoteError)
+            raise kind(f"owner refused packed transfer {self.transfer_id}: {message.get('message')}")
+        elif op not in ("packing", "pong"):
+            raise ProtocolError(f"unexpected side-channel message {op!r} during a packed read")
+
+    def _read_chunk(self, conn: Connection, msg: dict[str, Any], slot: int,
+                    unpacking: dict[int, tuple[Future[float], int]]) -> None:
+        s = self._s
+        chunk = s.chunks[int(msg["chunk"])]
+        nbytes = int(msg["nbytes"])
+        if nbytes != chunk.nbytes:
+            raise ProtocolError(f"owner staged {nbytes} bytes for chunk {chunk.index}, expected {chunk.nbytes}")
+        local = np.array([[s.pool.address(slot), nbytes, s.pool_device]], dtype=np.uint64)
+        remote = np.array([[int(msg["addr"]), nbytes, s.remote_device]], dtype=np.uint64)
+        xfer = s.agent.make_xfer(local, s.pool_mem, remote, s.remote_mem, s.peer_agent)
+        try:
+            t0 = time.perf_counter()
+            state = s.agent.post(xfer)
+            while state == "PROC":
+                self._check_stop()
+                state = s.agent.state(xfer)
+            self._posts += time.perf_counter() - t0
+            if state != "DONE":
+                raise PeerLostError(f"NIXL READ of chunk {chunk.index} from {s.peer_agent} failed (state ERR)")
+        finally:
+            s.agent.release(xfer)
+        conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk.index})
+        unpacking[chunk.index] = (s.unpacker.submit(self._unpack, chunk, slot), slot)
+
+    def _unpack(self, chunk: Chunk, slot: int) -> float:
+        s = self._s
+        t0 = time.perf_counter()
+        ops.unpack(s.pool.array(slot, chunk.nbytes), s.cache, s.local_ids[chunk.local],
+                   num_tokens=chunk.num_tokens, layout=s.layout, head_offset=s.local_head_offset)
+        return time.perf_counter() - t0
+
+    def _reap(self, unpacking: dict[int, tuple[Future[float], int]], free: list[int], block: bool) -> None:
+        if block and unpacking:
+            wait([future for future, _ in unpacking.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for index, (future, slot) in list(unpacking.items()):
+            if future.done():
+                self._unpack_time += future.result()
+                del unpacking[index]
+                free.append(slot)
+                with self._done_lock:
+                    self._done_chunks.add(index)
+
+    def _cleanup(self, conn: Connection, unpacking: dict[int, tuple[Future[float], int]], free: list[int],
+                 send_abort: bool, healthy: bool) -> None:
+        for index, (future, slot) in list(unpacking.items()):
+            try:
+                self._unpack_time += future.result()  # an unpack cannot be interrupted; it is short
+                with self._done_lock:
+                    self._done_chunks.add(index)
+            except Exception:
+                pass
+            free.append(slot)
+        if send_abort:
+            try:
+                conn.send({"op": "abort", "tid": self.transfer_id})
+            except zmq.ZMQError:
+                healthy = False
+        self._s.peer.checkin(conn, healthy)
+        self._s.pool.release(self._slots)
+
+    def _telemetry_record(self) -> TransferTelemetry:
+        s = self._s
+        g = s.cache.geometry
+        return TransferTelemetry(
+            transfer_id=self.transfer_id, path="packed", reason=self.reason,
+            bytes=sum(c.nbytes for c in s.chunks), descriptors=len(s.chunks),
+            pieces=len(s.local_ids) * g.num_planes, chunks=len(s.chunks), prep_time_s=s.prep_time,
+            post_time_s=self._posts, transfer_time_s=time.perf_counter() - self.started,
+            unpack_time_s=self._unpack_time, owner_pack_time_s=self._owner_pack_time,
+        )

@@ -1,0 +1,147 @@
+"""Real-process helpers for the transfer tests: an owner ("decode") process serving paged caches.
+
+The owner runs in a fresh interpreter (multiprocessing "spawn"), builds its caches from a seed with the
+same code the tests use (so a test regenerates the owner's bytes instead of shipping them), serves each
+through its own TransferEngine, and answers commands over a pipe. Every wait has a timeout and the
+process is killed in ``close()`` whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from conftest import Geo, HostCache, make_cache
+
+Bytes = npt.NDArray[np.uint8]
+STARTUP_TIMEOUT_S = 60.0
+COMMAND_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class OwnerSpec:
+    """One cache to serve: geometry, data seed and EngineConfig keyword arguments."""
+
+    geo: Geo
+    seed: int
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def build_cache(geo: Geo, seed: int) -> HostCache:
+    return make_cache(np.random.default_rng(seed), geo)
+
+
+def token_bytes(cache: HostCache, ids: Any, num_tokens: int, head_offset: int = 0,
+                heads: int | None = None) -> Bytes:
+    """``[L, P, T, h, D, itemsize]`` bytes of tokens ``0..num_tokens`` of blocks ``ids`` (in order)."""
+    geo = cache.geo
+    ids = np.asarray(ids, dtype=np.int64)
+    t = np.arange(num_tokens)
+    blocks, slots = ids[t // geo.block_size], t % geo.block_size
+    h = slice(head_offset, head_offset + (heads or geo.heads))
+    return np.stack([cache.canonical(layer)[:, blocks, slots, h] for layer in range(geo.num_layers)])
+
+
+def block_bytes(cache: HostCache, ids: Any) -> Bytes:
+    """``[L, P, n, B, H, D, itemsize]`` bytes of whole blocks ``ids``."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return np.stack([cache.canonical(layer)[:, ids] for layer in range(cache.geo.num_layers)])
+
+
+def _owner_main(conn: Any, specs: list[OwnerSpec]) -> None:
+    from kvshuttle.transfer import EngineConfig, TransferEngine
+
+    engines = []
+    try:
+        caches = [build_cache(spec.geo, spec.seed) for spec in specs]
+        for spec, cache in zip(specs, caches, strict=True):
+            engines.append(TransferEngine(cache.cache(), EngineConfig(**spec.config)))
+        conn.send(("ready", [engine.serve() for engine in engines], os.getpid()))
+        while True:
+            if not conn.poll(0.05):
+                continue
+            command, args = conn.recv()
+            if command == "stop":
+                break
+            if command == "notifs":
+                deadline = time.monotonic() + args.get("wait", 0.0)
+                got = [[(n.peer_agent, n.transfer_id, n.tag) for n in e.notifications()] for e in engines]
+                while sum(map(len, got)) < args.get("at_least", 0) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    for i, e in enumerate(engines):
+                        got[i] += [(n.peer_agent, n.transfer_id, n.tag) for n in e.notifications()]
+                conn.send(("notifs", got))
+            elif command == "stats":
+                conn.send(("stats", [e.stats() for e in engines]))
+            else:
+                conn.send(("error", f"unknown command {command!r}"))
+    except Exception as exc:  # report start-up failures to the test instead of hanging it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        for engine in engines:
+            engine.close()
+        conn.close()
+
+
+class OwnerProcess:
+    """An owner process; use as a context manager (it is always killed on exit)."""
+
+    def __init__(self, specs: list[OwnerSpec]) -> None:
+        self.specs = specs
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_owner_main, args=(child, specs), daemon=True)
+        self.process.start()
+        child.close()
+        reply = self._receive(STARTUP_TIMEOUT_S)
+        if reply[0] != "ready":
+            self.close()
+            raise RuntimeError(f"owner process failed to start: {reply}")
+        self.addresses: list[str] = reply[1]
+        self.pid: int = reply[2]
+
+    def _receive(self, timeout: float) -> Any:
+        try:
+            if not self._conn.poll(timeout):
+                raise TimeoutError(f"owner process did not answer within {timeout} s")
+            return self._conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(f"owner process exited (exit code {self.process.exitcode})") from exc
+
+    def call(self, command: str, timeout: float = COMMAND_TIMEOUT_S, **args: Any) -> Any:
+        self._conn.send((command, args))
+        reply = self._receive(timeout)
+        if reply[0] == "error":
+            raise RuntimeError(reply[1])
+        return reply[1]
+
+    def kill(self) -> None:
+        """SIGKILL, the way a crashed decode worker disappears."""
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join(10)
+
+    def close(self) -> None:
+        try:
+            if self.process.is_alive():
+                with contextlib.suppress(OSError):
+                    self._conn.send(("stop", {}))
+                self.process.join(5)
+        finally:
+            if self.process.is_alive():
+                self.kill()
+            self._conn.close()
+
+    def __enter__(self) -> OwnerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
