@@ -1,4 +1,4 @@
-"""The ``kvshuttle`` command: ``info``, ``bench pack|plan|transfer``."""
+"""The ``kvshuttle`` command: ``demo``, ``info``, ``bench pack|plan|transfer``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshuttle", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="what was built and whether a GPU is usable")
+    demo = commands.add_parser("demo", help="decode and prefill processes: a multi-turn conversation read back over NIXL")
+    from . import demo as demo_module
+
+    demo_module.add_arguments(demo)
     bench = commands.add_parser("bench", help="microbenchmarks with ratios against a peer measured in the same run")
     which = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
@@ -31,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from . import demo as demo_module
+
+        return demo_module.main(args)
     if args.command == "info":
         from . import build_info
 
