@@ -15,7 +15,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshuttle", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="what was built and whether a GPU is usable")
-    demo = commands.add_parser("demo", help="decode and prefill processes: a multi-turn conversation read back over NIXL")
+    demo = commands.add_parser("demo", help="decode + prefill processes: a multi-turn conversation read back over NIXL")
     from . import demo as demo_module
 
     demo_module.add_arguments(demo)
