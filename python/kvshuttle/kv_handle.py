@@ -105,10 +105,11 @@ class KVHandle:
             raise HandleFormatError("empty handle or engine id")
         if not 0 < self.port < 65536 or self.tp_size < 1 or self.block_size < 1 or self.generation < 0:
             raise HandleFormatError("port, tp_size, block_size or generation out of range")
-        if not (len(self.block_ids) - 1) * self.block_size < self.num_tokens <= len(self.block_ids) * self.block_size:
-            if not (self.num_tokens == 0 and not self.block_ids):
-                raise HandleFormatError(
-                    f"{len(self.block_ids)} blocks of {self.block_size} cannot hold {self.num_tokens} tokens")
+        capacity = len(self.block_ids) * self.block_size
+        fits = capacity - self.block_size < self.num_tokens <= capacity or self.num_tokens == 0 == capacity
+        if not fits:
+            raise HandleFormatError(f"{len(self.block_ids)} blocks of {self.block_size} cannot hold "
+                                    f"{self.num_tokens} tokens")
         if len(self.digests) != len(self.block_ids) or len(set(map(len, self.digests))) > 1:
             raise HandleFormatError(f"{len(self.digests)} digests for {len(self.block_ids)} blocks")
         if len(set(self.block_ids)) != len(self.block_ids):
