@@ -1,4 +1,4 @@
-"""The ``kvshuttle`` command: ``demo``, ``info``, ``bench pack|plan|transfer``."""
+"""The ``kvshuttle`` command: ``demo``, ``info``, ``bench pack|plan|transfer|policy|retention``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-BENCHES = {"pack": "kvshuttle.bench.pack", "plan": "kvshuttle.bench.plan", "transfer": "kvshuttle.bench.transfer"}
+BENCHES = {
+    "pack": "kvshuttle.bench.pack",
+    "plan": "kvshuttle.bench.plan",
+    "transfer": "kvshuttle.bench.transfer",
+    "policy": "kvshuttle.bench.policy",
+    "retention": "kvshuttle.bench.retention",
+}
 
 
 def _parser() -> argparse.ArgumentParser:

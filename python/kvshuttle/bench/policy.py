@@ -1,0 +1,201 @@
+"""``kvshuttle bench policy``: decide() per request and the digest chain per block, against naive peers.
+
+Two measurements, both at 24k tokens (1,536 blocks of 16) by default:
+
+* ``decide``: one :func:`kvshuttle.policy.decide` with the prompt's digests precomputed (``PromptDigests``) and
+  a parsed handle, for a pure continuation (every block verified), an edit in the middle (the first mismatch
+  is found) and a local hit over half the prompt. The peer is the per-block Python comparison loop that finds
+  the first mismatch (the verification step alone: a lower bound for a decide built on it). Context, not
+  compared: ``decide`` from raw token ids (digesting included) and parsing the handle from its wire form.
+* ``digests``: :func:`kvshuttle.digests.block_digests` per block from a numpy array and from a Python list.
+  Peers: vLLM's default prefix-cache hash (``sha256(pickle.dumps((parent, tuple(block_tokens), extra)))`` per
+  block from a Python list) and a naive blake2b (encode each block's list slice, a fresh hasher per block).
+
+Targets: decide <= 50 us per request, <= 1 us per 16-token block; the result says whether they were met here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pickle
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..digests import PERSON, PromptDigests, block_digests
+from ..kv_handle import KVHandle
+from ..policy import Decision, PolicyConfig, decide, parse_handle
+from .timing import median_seconds, ratio
+
+DECIDE_TARGET_US = 50.0
+DIGEST_TARGET_NS = 1000.0
+NOW = 1_700_000_000.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--blocks", type=int, default=1536, help="remote blocks (1,536 = 24k tokens at 16)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=200, help="tokens of the new turn after D's")
+    parser.add_argument("--repeat", type=int, default=15, help="timed samples (median reported)")
+    parser.add_argument("--number", type=int, default=200, help="decide() calls per sample")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def per_call(fn: Callable[[], object], number: int, repeat: int) -> float:
+    """Median seconds per call over ``repeat`` samples of ``number`` back-to-back calls."""
+    def sample() -> None:
+        for _ in range(number):
+            fn()
+
+    return median_seconds(sample, repeat) / number
+
+
+def make_handle(remote: np.ndarray[Any, Any], block_size: int, expiry_in: float = 300.0) -> KVHandle:
+    """A decode's handle for ``remote`` tokens, through the wire format (as prefill receives it)."""
+    digests = block_digests(remote, block_size)
+    handle = KVHandle(engine_id="decode-0", request_id="req-0", host="127.0.0.1", port=5600,
+                      block_ids=tuple(range(7, 7 + len(digests))), num_tokens=len(remote),
+                      expiry_time=NOW + expiry_in, tp_size=1, handle_id="0" * 32, generation=1,
+                      block_size=block_size, digests=tuple(digests), issued_at=NOW, ttl_s=480.0)
+    parsed = parse_handle(handle.to_kv_transfer_params())
+    if not isinstance(parsed, KVHandle):
+        raise AssertionError(f"the bench's own handle did not parse: {parsed.message}")
+    return parsed
+
+
+def naive_first_mismatch(remote: tuple[bytes, ...], prompt: list[bytes]) -> int:
+    """The peer: compare digests one block at a time in Python."""
+    for k in range(min(len(remote), len(prompt))):
+        if remote[k] != prompt[k]:
+            return k
+    return min(len(remote), len(prompt))
+
+
+def vllm_style_digests(tokens: list[int], block_size: int, extra: Any = None) -> list[bytes]:
+    """vLLM's default ``sha256`` prefix-cache hash: pickle (parent, block tokens, extra keys) per block."""
+    out: list[bytes] = []
+    parent = b"\x00" * 32
+    for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[start:start + block_size]), extra),
+                                             protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        out.append(parent)
+    return out
+
+
+def naive_blake2b_digests(tokens: list[int], block_size: int) -> list[bytes]:
+    """The same chain as ours, done naively: encode each block's list slice, a fresh hasher per block."""
+    out: list[bytes] = []
+    parent = bytes(16)
+    salt = hashlib.blake2b(b"", digest_size=16, person=b"kvshuttle.key.v1").digest()
+    for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
+        block = np.asarray(tokens[start:start + block_size], dtype="<u4").tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16, person=PERSON, salt=salt).digest()
+        out.append(parent)
+    return out
+
+
+def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[dict[str, Any]]:
+    bs = args.block_size
+    remote = rng.integers(0, 150_000, size=args.blocks * bs - 7)  # a partial last block, as D usually has
+    handle = make_handle(remote, bs)
+    params = handle.to_kv_transfer_params()
+    prompt = np.concatenate([remote, rng.integers(0, 150_000, size=args.new_tokens)])
+    edited = prompt.copy()
+    edited[(args.blocks // 2) * bs + 3] ^= 1
+    config = PolicyConfig()
+    remote_full = handle.digests[:handle.num_tokens // bs]  # the partial last block is checked on its own
+    cases = [("continuation", prompt, 0), ("edited_middle", edited, 0), ("local_half", prompt, len(prompt) // 2)]
+    out = []
+    for name, tokens, local in cases:
+        digests = PromptDigests.from_tokens(tokens, bs)
+        prompt_list = [digests.digest(k) for k in range(digests.num_full_blocks)]
+
+        def ours(digests: PromptDigests = digests, local: int = local) -> Decision:
+            return decide(digests, local_hit_tokens=local, handle=handle, now_wall=NOW, config=config)
+
+        def peer(prompt_list: list[bytes] = prompt_list) -> int:
+            return naive_first_mismatch(remote_full, prompt_list)
+
+        decision = ours()
+        expected = (args.blocks // 2) if name == "edited_middle" else len(remote_full)
+        if peer() != expected:
+            raise AssertionError(f"{name}: the peer found a mismatch at {peer()}, expected {expected}")
+        t_ours = per_call(ours, args.number, args.repeat)
+        t_peer = per_call(peer, args.number, args.repeat)
+        out.append({
+            "case": name, "blocks": args.blocks, "action": decision.action, "reason": decision.reason.value,
+            "fetch_tokens": decision.fetch_tokens, "mismatch_block": decision.mismatch_block,
+            "decide_us": round(t_ours * 1e6, 2), "naive_loop_us": round(t_peer * 1e6, 2),
+            "naive_over_decide": ratio(t_peer, t_ours),
+            "meets_target": t_ours * 1e6 <= DECIDE_TARGET_US,
+        })
+    raw_number = max(3, args.number // 50)
+    out.append({
+        "case": "context", "blocks": args.blocks,
+        "decide_from_tokens_us": round(per_call(
+            lambda: decide(prompt, local_hit_tokens=0, handle=handle, now_wall=NOW, config=config),
+            raw_number, args.repeat) * 1e6, 1),
+        "parse_handle_us": round(per_call(lambda: parse_handle(params), raw_number, args.repeat) * 1e6, 1),
+    })
+    return out
+
+
+def _digest_case(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
+    bs = args.block_size
+    arr = rng.integers(0, 150_000, size=args.blocks * bs)
+    lst = arr.tolist()
+    blocks = args.blocks
+    repeat = max(5, args.repeat // 2)
+    if naive_blake2b_digests(lst, bs) != block_digests(arr, bs):
+        raise AssertionError("the naive blake2b peer computes a different chain")
+    times = {
+        "ours_numpy": median_seconds(lambda: block_digests(arr, bs), repeat),
+        "ours_list": median_seconds(lambda: block_digests(lst, bs), repeat),
+        "vllm_sha256_pickle": median_seconds(lambda: vllm_style_digests(lst, bs), repeat),
+        "naive_blake2b": median_seconds(lambda: naive_blake2b_digests(lst, bs), repeat),
+    }
+    ns = {name: round(t / blocks * 1e9, 1) for name, t in times.items()}
+    return {
+        "block_size": bs, "blocks": blocks, "ns_per_block": ns,
+        "vllm_over_ours": ratio(times["vllm_sha256_pickle"], times["ours_numpy"]),
+        "naive_over_ours": ratio(times["naive_blake2b"], times["ours_numpy"]),
+        "meets_target": ns["ours_numpy"] <= DIGEST_TARGET_NS,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    start = time.perf_counter()
+    rng = np.random.default_rng(args.seed)
+    return {
+        "bench": "policy",
+        "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
+        "targets": {"decide_us": DECIDE_TARGET_US, "digest_ns_per_block": DIGEST_TARGET_NS},
+        "decide": _decide_cases(args, rng),
+        "digests": _digest_case(args, rng),
+        "note": f"medians of {args.repeat} samples; decide: {args.number} calls per sample; "
+                "naive_loop = the per-block Python comparison alone (a lower bound for a decide built on it)",
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{'case':15} {'blocks':>6} {'action':>9} {'decide us':>10} {'naive loop us':>14} {'naive/decide':>13}"]
+    for r in result["decide"]:
+        if r["case"] == "context":
+            lines.append(f"decide from token ids (digesting included): {r['decide_from_tokens_us']} us; "
+                         f"parse_handle: {r['parse_handle_us']} us")
+            continue
+        lines.append(f"{r['case']:15} {r['blocks']:>6} {r['action']:>9} {r['decide_us']:>10.2f} "
+                     f"{r['naive_loop_us']:>14.2f} {r['naive_over_decide']:>13.2f}")
+    d = result["digests"]
+    lines.append(f"digests, ns per {d['block_size']}-token block: " + ", ".join(
+        f"{k} {v}" for k, v in d["ns_per_block"].items())
+        + f"; vLLM-style/ours {d['vllm_over_ours']}, naive/ours {d['naive_over_ours']}")
+    lines.append(f"targets: decide <= {result['targets']['decide_us']} us, digest <= "
+                 f"{result['targets']['digest_ns_per_block']} ns/block; {result['cpus']} CPUs; {result['note']}")
+    return "\n".join(lines)

@@ -1,0 +1,435 @@
+"""Reuse or recompute: which of a decode's retained blocks one prefill request reads back, and why.
+
+:func:`decide` runs these steps, in this order, and returns a :class:`Decision` with a reason:
+
+a. **Local hit first.** Tokens already in the prefill's prefix cache are never fetched; a fetch starts at the
+   first remote block wholly after the local hit (``ceil(local / B)``).
+b. **Verify.** The handle's digest chain is compared with the prompt's block by block, aligned by index
+   (block k covers tokens ``[k*B, (k+1)*B)``), and cut at the first mismatch. vLLM instead trims the remote
+   list from its end and serves wrong KV when history was edited or reasoning stripped (vllm#43094); here an
+   edited prompt reuses only its verified prefix.
+c. **Count tokens as vLLM does.** The last prompt token is always recomputed (the model needs its logits), so
+   at most ``len(prompt) - 1`` tokens are reused. A remote partial last block is reusable only when its digest
+   (over its ``remote_num_tokens % B`` tokens) matches the prompt's tokens there; a prompt shorter than
+   ``remote_num_tokens`` reuses only the full blocks it covers (a block digest cannot vouch for part of a block).
+d. **Expiry**, on the decode's clock: fetch only if ``expiry_time - (now_wall + clock_offset_s) > margin``.
+   ``clock_offset_s`` is *decode wall clock minus prefill wall clock* (add it to a prefill time to get the
+   decode time; :func:`estimate_clock_offset`). Exactly at the margin is expired (vLLM declines at equality
+   too); NaN anywhere is expired.
+e. **Threshold.** ``fixed``: fetch iff the tokens fetched ``>= threshold_tokens``; ``threshold_tokens <= 0``
+   disables fetching. ``cost``: fetch iff ``(overhead + bytes / bandwidth) * cost_margin < tokens / prefill
+   throughput``; :func:`transfer_cost_inputs` reads the inputs from ``kvshuttle bench transfer --json``.
+
+Anything refused, expired or unverified ends in ``"recompute"`` (``"local"`` when the local hit is still reused);
+nothing unverified is ever marked for fetch. Handle problems never raise on the serving path: they become
+decisions (:func:`parse_handle`, :func:`decide_from_params`). Caller bugs (a negative local hit, a bad config)
+raise :class:`PolicyError`. Stdlib + numpy only.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+import numpy as np
+
+from .digests import DigestError, PromptDigests, TokenIds
+from .errors import KVShuttleError
+from .kv_handle import PREFIX, HandleFormatError, KVHandle
+
+Action = Literal["local", "fetch", "recompute"]
+Kind = Literal["fixed", "cost"]
+
+
+class PolicyError(KVShuttleError, ValueError):
+    """A policy configuration or call that cannot be right (a caller bug, never a remote's fault); fix the call."""
+
+
+class Reason(str, enum.Enum):
+    """Why a decision came out as it did (short codes for metrics; the decision's ``message`` says more)."""
+
+    FETCH = "fetch"
+    NO_HANDLE = "no_handle"
+    UNVERIFIABLE_HANDLE = "unverifiable_handle"  # a vLLM handle without kvshuttle digests
+    MALFORMED_HANDLE = "malformed_handle"
+    FETCH_DISABLED = "fetch_disabled"
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    DIGEST_SCHEME_MISMATCH = "digest_scheme_mismatch"
+    NOTHING_VERIFIED = "nothing_verified"
+    LOCAL_COVERS = "local_covers"
+    EXPIRED = "expired"
+    BELOW_THRESHOLD = "below_threshold"
+    RECOMPUTE_CHEAPER = "recompute_cheaper"
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """The cost model's two sides for one candidate fetch (seconds)."""
+
+    transfer_s: float
+    recompute_s: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one request. ``fetch_blocks`` are remote block indices ``[first, last)``;
+    ``remote_block_ids`` are the handle's ids for them; the fetched tokens are ``fetch_token_range``."""
+
+    action: Action
+    reason: Reason
+    message: str
+    local_tokens: int = 0  # prefix-cache tokens reused locally
+    fetch_tokens: int = 0  # tokens whose KV is read from the decode
+    reused_tokens: int = 0  # local_tokens + fetch_tokens
+    fetch_blocks: range = range(0)
+    remote_block_ids: tuple[int, ...] = field(default=(), repr=False)  # up to thousands: kept out of logs
+    block_size: int = 0
+    verified_tokens: int = 0  # remote tokens whose digests matched the prompt (before the last-token cut)
+    mismatch_block: int | None = None  # first block whose digest differed, if one did
+    remaining_s: float | None = None  # seconds of retention left on the decode, as estimated here
+    cost: CostEstimate | None = None
+
+    @property
+    def fetch(self) -> bool:
+        return self.action == "fetch"
+
+    @property
+    def fetch_token_range(self) -> range:
+        start = self.fetch_blocks.start * self.block_size
+        return range(start, start + self.fetch_tokens)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How to decide. ``fixed``: fetch iff fetched tokens >= ``threshold_tokens`` (<= 0 disables fetching).
+    ``cost``: fetch iff transfer time x ``cost_margin`` < recompute time, from the inputs below (per prefill
+    worker: bytes of K+V per token over all its layers, and the bandwidth it reads with)."""
+
+    kind: Kind = "fixed"
+    threshold_tokens: int = 64
+    kv_bytes_per_token: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
+    transfer_overhead_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    # > 1: a fetch must beat recompute by this factor: it adds a claim round trip and a failure mode, and the
+    # linear recompute model underestimates long prefixes less than the bandwidth estimate overstates a busy link.
+    cost_margin: float = 1.2
+    expiry_margin_s: float = 5.0  # vLLM's hard-coded _KV_BLOCKS_EXPIRY_SAFETY_MARGIN
+    extra_key: bytes = field(default=b"", repr=False)  # for digesting raw prompt tokens (model / adapter id)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fixed", "cost"):
+            raise PolicyError(f"kind must be 'fixed' or 'cost', got {self.kind!r}")
+        if isinstance(self.threshold_tokens, bool) or not isinstance(self.threshold_tokens, int):
+            raise PolicyError(f"threshold_tokens must be an int, got {self.threshold_tokens!r}")
+        if not (math.isfinite(self.expiry_margin_s) and self.expiry_margin_s >= 0):
+            raise PolicyError(f"expiry_margin_s must be finite and >= 0, got {self.expiry_margin_s}")
+        if self.kind == "cost":
+            positive = {"kv_bytes_per_token": self.kv_bytes_per_token, "bandwidth_bytes_per_s":
+                        self.bandwidth_bytes_per_s, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                        "cost_margin": self.cost_margin}
+            bad = [k for k, v in positive.items() if not (math.isfinite(v) and v > 0)]
+            if not (math.isfinite(self.transfer_overhead_s) and self.transfer_overhead_s >= 0):
+                bad.append("transfer_overhead_s")
+            if bad:
+                raise PolicyError(f"the cost model needs finite positive {', '.join(bad)} "
+                                  "(see transfer_cost_inputs for the transfer side)")
+
+    @classmethod
+    def from_vllm_threshold(cls, kv_recompute_threshold: int, **changes: Any) -> PolicyConfig:
+        """vLLM's ``kv_recompute_threshold``: there ``<= 0`` means *no threshold* (always pull), here 1 token."""
+        return cls(kind="fixed", threshold_tokens=max(int(kv_recompute_threshold), 1), **changes)
+
+    def estimate(self, fetch_blocks: int, block_size: int, fetch_tokens: int) -> CostEstimate:
+        """Transfer moves whole blocks; recompute redoes the fetched tokens (a linear prefill model)."""
+        nbytes = int(fetch_blocks * block_size * self.kv_bytes_per_token)
+        return CostEstimate(self.transfer_overhead_s + nbytes / self.bandwidth_bytes_per_s,
+                            fetch_tokens / self.prefill_tokens_per_s, nbytes)
+
+
+def estimate_clock_offset(local_send: float, remote_wall: float, local_recv: float) -> float:
+    """``clock_offset_s`` (decode minus prefill wall clock) from one round trip that read the decode's clock.
+
+    The remote read is assumed halfway through the round trip (error <= half the round trip, as vLLM's).
+    """
+    return remote_wall - (local_send + local_recv) / 2
+
+
+# ------------------------------------------------------------------------------------------------- deciding
+class _Request:
+    """One request's fixed facts; builds its decisions."""
+
+    __slots__ = ("local", "num_tokens")
+
+    def __init__(self, num_tokens: int | None, local_hit_tokens: int) -> None:
+        if isinstance(local_hit_tokens, bool) or not isinstance(local_hit_tokens, (int, np.integer)):
+            raise PolicyError(f"local_hit_tokens must be an int, got {local_hit_tokens!r}")
+        if local_hit_tokens < 0:
+            raise PolicyError(f"local_hit_tokens must be >= 0, got {local_hit_tokens}")
+        self.num_tokens = -1 if num_tokens is None else num_tokens  # None: not known (parse_handle)
+        local = int(local_hit_tokens)
+        # vLLM never reports the last token as hit; clamp anyway so reused_tokens <= len(prompt) - 1 holds.
+        self.local = local if num_tokens is None else min(local, max(num_tokens - 1, 0))
+
+    def refuse(self, reason: Reason, message: str, **facts: Any) -> Decision:
+        action: Action = "local" if self.local > 0 else "recompute"
+        return Decision(action, reason, message, local_tokens=self.local, reused_tokens=self.local, **facts)
+
+
+def _prompt_length(prompt: TokenIds | PromptDigests) -> int:
+    if isinstance(prompt, PromptDigests):
+        return prompt.num_tokens
+    try:
+        return len(prompt)
+    except TypeError:
+        raise PolicyError(f"prompt must be token ids or PromptDigests, got {type(prompt).__name__}") from None
+
+
+def _structure_problem(handle: KVHandle) -> str | None:
+    """O(1) consistency checks (the O(n) ones ran in KVHandle.check when the handle was parsed)."""
+    n, bs, tokens = len(handle.block_ids), handle.block_size, handle.num_tokens
+    if type(bs) is not int or bs < 1 or type(tokens) is not int:
+        return f"block_size {bs!r} / num_tokens {tokens!r} are not positive integers"
+    if len(handle.digests) != n:
+        return f"{len(handle.digests)} digests for {n} blocks"
+    if not ((n - 1) * bs < tokens <= n * bs or tokens == 0 == n):
+        return f"{n} blocks of {bs} cannot hold {tokens} tokens"
+    if n and not (isinstance(handle.digests[0], bytes) and 1 <= len(handle.digests[0]) <= 64):
+        return "digests must be 1..64-byte strings"
+    return None
+
+
+def _first_mismatch(digests: tuple[bytes, ...], buffer: bytes, count: int, size: int) -> int:
+    """Index of the first of the first ``count`` handle digests that differs from the prompt's (``count`` if none).
+
+    One join and one memcmp in the common case (a pure continuation); one vectorised compare otherwise. Every
+    position is compared, not just the last, so this holds even for digests that are not chained.
+    """
+    if count == 0:
+        return 0
+    remote = b"".join(digests[:count])
+    nbytes = count * size
+    if len(remote) != nbytes:
+        raise HandleFormatError("the handle's digests differ in length")
+    local = buffer if len(buffer) == nbytes else buffer[:nbytes]
+    if remote == local:
+        return count
+    differs = np.frombuffer(remote, dtype=np.uint8) != np.frombuffer(local, dtype=np.uint8)
+    return int(np.argmax(differs)) // size
+
+
+def _prompt_digests(prompt: TokenIds | PromptDigests, handle: KVHandle, config: PolicyConfig,
+                    size: int) -> PromptDigests | Reason:
+    """The prompt's digests in the handle's block size and digest size, or why they cannot be had."""
+    if isinstance(prompt, PromptDigests):
+        resized = prompt.with_block_size(handle.block_size)
+        if resized is None:
+            return Reason.BLOCK_SIZE_MISMATCH
+        resized = resized.with_digest_size(size)
+        return Reason.DIGEST_SCHEME_MISMATCH if resized is None else resized
+    # Raw tokens: digest only what the remote can cover (a prompt may be much longer than the handle).
+    covered = prompt[:handle.num_tokens]
+    return PromptDigests.from_tokens(covered, handle.block_size, extra_key=config.extra_key, digest_size=size)
+
+
+def decide(prompt: TokenIds | PromptDigests, *, local_hit_tokens: int, handle: KVHandle | None, now_wall: float,
+           config: PolicyConfig, clock_offset_s: float = 0.0) -> Decision:
+    """Decide for one request. ``prompt``: its token ids, or its :class:`PromptDigests` precomputed.
+
+    ``handle`` should come from :func:`parse_handle` (or have passed ``KVHandle.check``). ``now_wall`` is this
+    process's wall clock (``time.time()``); ``clock_offset_s`` is the decode's wall clock minus ours.
+    """
+    request = _Request(_prompt_length(prompt), local_hit_tokens)
+    if handle is None:
+        return request.refuse(Reason.NO_HANDLE, "no remote handle: nothing to read back")
+    if config.kind == "fixed" and config.threshold_tokens <= 0:
+        return request.refuse(Reason.FETCH_DISABLED, f"threshold_tokens={config.threshold_tokens} disables fetching")
+    problem = _structure_problem(handle)
+    if problem is not None:
+        return request.refuse(Reason.MALFORMED_HANDLE, f"inconsistent handle: {problem}")
+    if not handle.block_ids:
+        return request.refuse(Reason.NOTHING_VERIFIED, "the handle offers no blocks")
+    try:
+        return _decide_verified(prompt, request, handle, now_wall, config, clock_offset_s)
+    except (HandleFormatError, DigestError, TypeError) as exc:  # a handle we cannot read: recompute, never raise
+        return request.refuse(Reason.MALFORMED_HANDLE, f"unusable handle: {exc}")
+
+
+def _decide_verified(prompt: TokenIds | PromptDigests, request: _Request, handle: KVHandle, now_wall: float,
+                     config: PolicyConfig, clock_offset_s: float) -> Decision:
+    bs, remote_tokens, size = handle.block_size, handle.num_tokens, len(handle.digests[0])
+    digests = _prompt_digests(prompt, handle, config, size)
+    if isinstance(digests, Reason):
+        return request.refuse(digests, f"the prompt's digests cannot be compared with the handle's "
+                                       f"(block size {handle.block_size}, {size}-byte digests) without its tokens")
+
+    # b. verify full blocks, aligned by index, up to the first mismatch. From block 0 even under a local hit:
+    # KV at block k depends on every earlier token, so an earlier mismatch disqualifies every later block.
+    remote_full = remote_tokens // bs
+    compared = min(remote_full, digests.num_full_blocks)
+    matched = _first_mismatch(handle.digests, digests.buffer, compared, size)
+    verified = matched * bs
+    mismatch: int | None = matched if matched < compared else None
+    # c. the remote partial last block: only if every full block matched and the prompt holds all its tokens
+    if matched == remote_full < len(handle.block_ids) and request.num_tokens >= remote_tokens:
+        partial = digests.partial_digest(matched, remote_tokens)
+        if partial is not None and partial == handle.digests[matched]:
+            verified = remote_tokens
+        elif partial is not None:
+            mismatch = matched
+
+    # a + c. start after the local hit on a block boundary; end before the last prompt token
+    end = min(verified, request.num_tokens - 1)
+    first = -(-request.local // bs)
+    facts: dict[str, Any] = {"block_size": bs, "verified_tokens": verified, "mismatch_block": mismatch}
+    if end <= first * bs:
+        if verified == 0:
+            why = (f"block {mismatch}'s digest differs from the prompt's" if mismatch is not None else
+                   f"the prompt ({request.num_tokens} tokens) covers no whole remote block")
+            return request.refuse(Reason.NOTHING_VERIFIED, f"no remote block verified: {why}", **facts)
+        return request.refuse(Reason.LOCAL_COVERS, f"the local hit ({request.local} tokens) covers the "
+                                                   f"{verified} verified remote tokens", **facts)
+    last = -(-end // bs)
+    fetch_tokens = end - first * bs
+
+    # d. expiry on the decode's clock; written so that NaN refuses
+    remaining = handle.expiry_time - (now_wall + clock_offset_s)
+    facts["remaining_s"] = remaining
+    if not remaining > config.expiry_margin_s:
+        return request.refuse(Reason.EXPIRED, f"{remaining:.3f} s of retention left, not more than the "
+                                              f"{config.expiry_margin_s} s margin", **facts)
+
+    # e. threshold or cost model
+    cost: CostEstimate | None = None
+    if config.kind == "fixed":
+        if fetch_tokens < config.threshold_tokens:
+            return request.refuse(Reason.BELOW_THRESHOLD, f"{fetch_tokens} tokens to fetch, below the "
+                                                          f"threshold of {config.threshold_tokens}", **facts)
+    else:
+        cost = config.estimate(last - first, bs, fetch_tokens)
+        facts["cost"] = cost
+        if not cost.transfer_s * config.cost_margin < cost.recompute_s:
+            return request.refuse(Reason.RECOMPUTE_CHEAPER, f"transfer {cost.transfer_s * 1e3:.3f} ms x "
+                                  f"{config.cost_margin} is not below recompute {cost.recompute_s * 1e3:.3f} ms",
+                                  **facts)
+
+    cut = f"; digest mismatch at block {mismatch}" if mismatch is not None else ""
+    return Decision("fetch", Reason.FETCH, f"fetch blocks [{first}, {last}): {fetch_tokens} tokens of {verified} "
+                                           f"verified{cut}", local_tokens=request.local, fetch_tokens=fetch_tokens,
+                    reused_tokens=request.local + fetch_tokens, fetch_blocks=range(first, last),
+                    remote_block_ids=handle.block_ids[first:last], **facts)
+
+
+# --------------------------------------------------------------------------------------------- the handle
+def _parse(kv_transfer_params: Any) -> KVHandle | tuple[Reason, str]:
+    if kv_transfer_params is None or kv_transfer_params == {}:
+        return Reason.NO_HANDLE, "no kv_transfer_params"
+    if isinstance(kv_transfer_params, Mapping) and PREFIX + "version" not in kv_transfer_params:
+        if "remote_block_ids" in kv_transfer_params:
+            return (Reason.UNVERIFIABLE_HANDLE, "a handle without kvshuttle digests: its blocks cannot be "
+                    "verified against the prompt, so they are not read (vllm#43094)")
+        return Reason.NO_HANDLE, "kv_transfer_params hold no handle"
+    try:
+        return KVHandle.from_kv_transfer_params(kv_transfer_params)
+    except HandleFormatError as exc:
+        return Reason.MALFORMED_HANDLE, str(exc)
+    except Exception as exc:  # the serving path never raises on what a remote sent; the reason keeps the cause
+        return Reason.MALFORMED_HANDLE, f"{type(exc).__name__}: {exc}"
+
+
+def parse_handle(kv_transfer_params: Any, *, local_hit_tokens: int = 0) -> KVHandle | Decision:
+    """The handle in ``kv_transfer_params``, or a recompute (or local) Decision saying why there is none.
+
+    Never raises on malformed or tampered params. ``local_hit_tokens`` only fills the Decision.
+    """
+    parsed = _parse(kv_transfer_params)
+    if isinstance(parsed, KVHandle):
+        return parsed
+    return _Request(None, local_hit_tokens).refuse(*parsed)
+
+
+def decide_from_params(prompt: TokenIds | PromptDigests, kv_transfer_params: Any, *, local_hit_tokens: int,
+                       now_wall: float, config: PolicyConfig, clock_offset_s: float = 0.0) -> Decision:
+    """:func:`parse_handle` then :func:`decide`: the serving path's one call."""
+    parsed = _parse(kv_transfer_params)
+    if isinstance(parsed, KVHandle):
+        return decide(prompt, local_hit_tokens=local_hit_tokens, handle=parsed, now_wall=now_wall, config=config,
+                      clock_offset_s=clock_offset_s)
+    return _Request(_prompt_length(prompt), local_hit_tokens).refuse(*parsed)
+
+
+# ------------------------------------------------------------------------------------- cost model inputs
+class CostInputs(TypedDict):
+    """The transfer side of the cost model: ``PolicyConfig(kind="cost", prefill_tokens_per_s=..., **inputs)``."""
+
+    kv_bytes_per_token: float
+    bandwidth_bytes_per_s: float
+    transfer_overhead_s: float
+
+
+TRANSFER_METHODS = ("direct", "direct_prepped", "packed")  # what the engine can use (raw_per_block is vLLM's)
+BenchSource = Mapping[str, Any] | str | os.PathLike[str]
+
+
+def _load_results(bench: BenchSource | Sequence[BenchSource]) -> list[Mapping[str, Any]]:
+    sources = list(bench) if isinstance(bench, Sequence) and not isinstance(bench, str) else [bench]
+    results: list[Mapping[str, Any]] = []
+    for source in sources:
+        if isinstance(source, Mapping):
+            data: Any = source
+        else:
+            with open(source, encoding="utf-8") as f:
+                data = json.load(f)
+        if not isinstance(data, Mapping) or data.get("bench") != "transfer" or not isinstance(
+                data.get("results"), list):
+            raise PolicyError("expected the output of 'kvshuttle bench transfer --json' "
+                              "({'bench': 'transfer', 'results': [...]})")
+        results.extend(data["results"])
+    return results
+
+
+def transfer_cost_inputs(bench: BenchSource | Sequence[BenchSource], *, shape: str | None = None,
+                         pattern: str = "scattered", method: str = "best", block_size: int = 16,
+                         transfer_overhead_s: float | None = None) -> CostInputs:
+    """Cost-model inputs from ``kvshuttle bench transfer --json`` output (dicts, or paths to JSON files).
+
+    * ``kv_bytes_per_token``: bytes read / tokens read, scaled from the layers the bench allocated to the
+      model's (``layers_in_model / layers``); ``block_size`` tokens per block when a result does not say.
+    * ``bandwidth_bytes_per_s``: of ``method`` (``"best"``: the fastest of direct / direct_prepped / packed on
+      the largest read, as the engine picks its path) for ``pattern`` (``scattered`` block ids are what a
+      long-running server has; ``contiguous`` is the best case).
+    * ``transfer_overhead_s``: given, else fitted with bandwidth as ``t = overhead + bytes / bandwidth`` when
+      the results hold reads of two or more sizes (run the bench with a small ``--blocks`` too), else 0.
+    """
+    rows = [r for r in _load_results(bench) if r.get("pattern") == pattern]
+    shapes = sorted({str(r.get("shape")) for r in rows})
+    if shape is None and len(shapes) == 1:
+        shape = shapes[0]
+    rows = [r for r in rows if r.get("shape") == shape]
+    if not rows:
+        raise PolicyError(f"no {pattern!r} results for shape {shape!r}; shapes present: {shapes}")
+    largest = max(rows, key=lambda r: r["bytes"])
+    if method == "best":
+        method = max(TRANSFER_METHODS, key=lambda m: largest["gbps"].get(m, 0.0))
+    if not all(r["gbps"].get(method, 0) > 0 for r in rows):
+        raise PolicyError(f"method {method!r} has no positive GB/s in every result")
+    tokens = largest["blocks"] * largest.get("block_size", block_size)
+    kv_bytes = largest["bytes"] / tokens * largest["layers_in_model"] / largest["layers"]
+    sizes = np.array([float(r["bytes"]) for r in rows])
+    seconds = sizes / (np.array([float(r["gbps"][method]) for r in rows]) * 1e9)
+    bandwidth = float(largest["gbps"][method]) * 1e9
+    overhead = 0.0 if transfer_overhead_s is None else float(transfer_overhead_s)
+    if len(set(sizes.tolist())) >= 2:
+        slope, intercept = np.polyfit(sizes, seconds, 1)
+        if slope > 0:
+            bandwidth = 1.0 / float(slope)
+            if transfer_overhead_s is None:
+                overhead = max(float(intercept), 0.0)
+    return CostInputs(kv_bytes_per_token=float(kv_bytes), bandwidth_bytes_per_s=bandwidth,
+                      transfer_overhead_s=overhead)
