@@ -5,6 +5,7 @@ See :mod:`kvshuttle.transfer.engine` for the owner/reader walk-through.
 
 from __future__ import annotations
 
+from .claims import ClaimAuthority, ClaimRefusedError, ClaimTicket
 from .engine import EngineConfig, Peer, ReadNotice, TransferEngine
 from .errors import (
     BlockRangeError,
@@ -25,6 +26,9 @@ from .handle import TransferHandle, TransferState, TransferTelemetry
 
 __all__ = [
     "BlockRangeError",
+    "ClaimAuthority",
+    "ClaimRefusedError",
+    "ClaimTicket",
     "EngineConfig",
     "IncompatiblePeerError",
     "NixlUnavailableError",

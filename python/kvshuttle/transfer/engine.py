@@ -31,9 +31,11 @@ import zmq
 
 from ..block_ids import check_ids
 from ..errors import BlockIdError, StagingError
+from ..kv_handle import KVHandle
 from ..layout import PagedKVCache, StagingLayout
 from ..plan import ReadPlan, SideGeometry, plan_read
 from ._nixl import DlistHandle, MemType, NixlAgent, NixlCallError, RegHandle
+from .claims import ClaimAuthority, ClaimTicket, check_done_reply, claim_request, ticket_from_reply
 from .direct import DirectRequest, DirectTransfer, all_pieces, build_initialize, build_prepped
 from .errors import (
     BlockRangeError,
@@ -157,9 +159,11 @@ class _EmptyTransfer(TransferHandle):
 class TransferEngine:
     """One worker's NIXL agent, registered cache and staging, side channel, peers and transfers."""
 
-    def __init__(self, cache: PagedKVCache, config: EngineConfig | None = None, *, staging: Any = None) -> None:
+    def __init__(self, cache: PagedKVCache, config: EngineConfig | None = None, *, staging: Any = None,
+                 claims: ClaimAuthority | None = None) -> None:
         """Create the agent and register ``cache`` and the staging pool (``staging``: an optional host buffer
-        of ``staging_chunks * staging_chunk_bytes`` bytes to use instead of a new numpy allocation)."""
+        of ``staging_chunks * staging_chunk_bytes`` bytes to use instead of a new numpy allocation).
+        ``claims`` (an owner's retention ledger) answers readers' claims; without it claims are refused."""
         if not isinstance(cache, PagedKVCache):
             raise TypeError("pass a PagedKVCache (PagedKVCache.from_arrays(layers, kind))")
         self.config = config = config or EngineConfig()
@@ -168,6 +172,7 @@ class TransferEngine:
         assert config.name is not None
         self.name = config.name
         self.cache = cache
+        self._claims = claims
         self.mem_type, self.device_id = _mem(cache)
         self.side = SideGeometry.from_cache(cache, self.device_id)
         self.cache_info = CacheInfo.from_geometry(cache.geometry, self.mem_type)
@@ -204,7 +209,7 @@ class TransferEngine:
             metadata = self._agent.metadata()
             info = PeerInfo(self.name, metadata, self.side, self.cache_info, self._staging_info())
             self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
-                                       self.config.debug_pack_delay_s, self.config.pipeline_depth)
+                                       self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims)
             try:
                 self._server = SideChannelServer(self._zmq, self.config.host, self.config.port,
                                                  self._owner.handle)
@@ -264,6 +269,35 @@ class TransferEngine:
             return peer.conn.request({"op": "ping"}, timeout, "a ping").get("op") == "pong"
         except PeerUnreachableError:
             return False
+
+    @property
+    def claims(self) -> ClaimAuthority | None:
+        """The authority answering readers' claims (settable after serve(): a ledger needs the address)."""
+        return self._claims
+
+    @claims.setter
+    def claims(self, authority: ClaimAuthority | None) -> None:
+        self._claims = authority
+        if self._owner is not None:
+            self._owner.claims = authority
+
+    def claim(self, peer: Peer, handle: KVHandle, num_blocks: int | None = None,
+              timeout: float | None = None) -> ClaimTicket:
+        """Ask the owner to check and pin the first ``num_blocks`` blocks of ``handle`` before reading them.
+
+        Raises ClaimRefusedError (expired, evicted, stale, consumed, tampered...): recompute instead.
+        """
+        reply = peer.conn.request(claim_request(handle, num_blocks, self.name),
+                                  self.config.connect_timeout_s if timeout is None else timeout, "a claim")
+        return ticket_from_reply(reply, peer.address)
+
+    def finish_claim(self, peer: Peer, ticket: ClaimTicket, ok: bool, timeout: float | None = None) -> None:
+        """Report a claimed read done (``ok``: the owner confirms the blocks were not reused meanwhile, else
+        ClaimRefusedError: discard them) or failed (the owner unpins)."""
+        reply = peer.conn.request({"op": "claim_done", "claim_id": ticket.claim_id, "ok": ok},
+                                  self.config.connect_timeout_s if timeout is None else timeout, "a claim report")
+        if ok:
+            check_done_reply(reply, peer.address)
 
     def disconnect(self, peer: Peer) -> None:
         if not peer.connected:

@@ -19,6 +19,7 @@ from .. import ops
 from ..block_ids import as_ids, check_ids
 from ..errors import BlockIdError, KVShuttleError, LayoutError
 from ..layout import PagedKVCache
+from .claims import ClaimAuthority, serve_claim
 from .errors import StagingExhaustedError
 from .side_channel import SideChannelServer
 from .staging import StagingPool, layout_from_wire, plan_chunks
@@ -133,8 +134,9 @@ class OwnerService:
     """Answers a reader's side-channel requests for one engine."""
 
     def __init__(self, cache: PagedKVCache, pool: StagingPool, info: Callable[[], PeerInfo],
-                 lease_s: float, pack_delay_s: float = 0.0, depth: int = 2) -> None:
-        self.cache, self.pool, self._info = cache, pool, info
+                 lease_s: float, pack_delay_s: float = 0.0, depth: int = 2,
+                 claims: ClaimAuthority | None = None) -> None:
+        self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
         self.server: SideChannelServer | None = None
         self._jobs: dict[tuple[bytes, str], PackJob] = {}
@@ -165,6 +167,8 @@ class OwnerService:
             return {"op": "pong", "jobs": self.active_jobs}
         if op == "pack":
             return self._pack(identity, message)
+        if op in ("claim", "claim_done"):
+            return serve_claim(self.claims, message)
         if op in ("release", "abort"):
             with self._lock:
                 job = self._jobs.get((identity, str(message.get("tid"))))
