@@ -1,4 +1,4 @@
-"""The command line: info, the pack/plan benchmarks at tiny sizes, and the two-process demo."""
+"""The command line: info, the benchmarks at tiny sizes, and the two-process demo."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kvshuttle.demo import DemoShape, run_demo
+from kvshuttle.demo import run_demo
+from kvshuttle.demo_workers import DemoShape
 
 
 def kvshuttle(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,22 +35,29 @@ def test_bench_pack_json_is_one_object_with_ratios() -> None:
         assert r["pack_vs_copy"] > 0 and r["unpack_vs_peer"] > 0
 
 
-def test_bench_plan_json() -> None:
-    out = kvshuttle("bench", "plan", "--layers", "4", "--blocks", "64", "--repeat", "2", "--json")
+@pytest.mark.parametrize("bench", ["plan", "policy", "retention"])
+def test_other_benches_print_json(bench: str) -> None:
+    small = {"plan": ["--layers", "4", "--blocks", "64", "--repeat", "2"],
+             "policy": ["--blocks", "64", "--repeat", "2", "--number", "2"],
+             "retention": ["--quick"]}[bench]
+    out = kvshuttle("bench", bench, *small, "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)
 
 
 @pytest.mark.parametrize("path", ["direct", "packed"])
-def test_demo_reads_every_previous_turn_back_byte_exact(path: str) -> None:
-    shape = DemoShape(layers=2, kv_heads=2, head_size=64, cache_blocks=256, first_prompt=50, user_tokens=10,
-                      answer_tokens=30, turns=3)
+def test_demo_walks_every_case_and_verifies_every_byte(path: str) -> None:
+    shape = DemoShape(layers=2, kv_heads=2, head_size=64)
     result = run_demo(shape, path)
-    turns = result["turns"]
-    assert result["all_verified"] and all(t["verified"] for t in turns)
-    assert [t["reused_tokens"] for t in turns] == [0, 79, 119]  # prompt + answer - 1 of the turn before
-    assert [t["computed_tokens"] for t in turns] == [50, 11, 11]
-    assert all(t["path"] == path for t in turns[1:])
-    per_token = result["kv_bytes_per_token"]
-    assert turns[1]["bytes"] >= 79 * per_token
-
+    rows = {f"{r['conversation']}{r['turn']}": r for r in result["turns"]}
+    assert result["all_verified"] and all(r["verified"] for r in result["turns"])
+    assert rows["A1"]["decision"] == "recompute" and rows["A1"]["reason"] == "no_handle"
+    # Continuation: everything decode held (prompt + answer - 1 = 799 tokens) is read back.
+    assert rows["A2"]["decision"] == "fetch" and rows["A2"]["fetched_tokens"] == 799
+    assert rows["A2"]["path"] == path and rows["A2"]["bytes"] >= 799 * shape.kv_bytes_per_token
+    # Edited history at token 300: only the 18 verified blocks before it; unverified reuse would be wrong.
+    assert rows["A3"]["fetched_tokens"] == 18 * 16 and rows["A3"]["unverified_wrong_tokens"] > 0
+    assert rows["B2"]["decision"] == "recompute" and rows["B2"]["reason"] == "below_threshold"
+    assert rows["C2"]["decision"] == "recompute" and rows["C2"]["reason"] == "expired"
+    assert rows["D2"]["decision"] == "fetch"
+    assert rows["A4"]["decision"] == "recompute" and rows["A4"]["reason"] == "HandleEvictedError"

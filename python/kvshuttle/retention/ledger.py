@@ -1,0 +1,558 @@
+"""The decode-side retention ledger: which finished requests' KV blocks decode keeps, for whom, for how long.
+
+Decisions (see also the package docstring):
+
+* **Sharing.** A block belongs to the ledger once, however many live handles hold it: turn 2's block table
+  repeats turn 1's blocks (decode's prefix cache, or a cache grown in place), so turn 2's handle shares them
+  by reference count and ``on_free`` gets a block exactly once, when its last holder ends. A shared block must
+  sit at the same index and either carry the same digest over the same number of valid tokens, or extend the
+  recorded block (more valid tokens: an append into a partial last block; paged caches only append until a
+  block is freed). Anything else means the block was reused behind the ledger's back: the ledger treats it as
+  :meth:`RetentionLedger.block_freed` (its holders become stale and are refused) before retaining anew.
+* **TTL edge.** A handle lives while ``now < expiry`` on the monotonic clock; at ``now == expiry`` it has
+  expired (exclusive end), both for :meth:`sweep` and for lazy checks on access. ``renew`` never shortens.
+* **Budget.** Counted in distinct retained blocks (``budget_bytes // bytes_per_block`` when given in bytes).
+  ``retain`` first checks that evicting every handle without a read in flight would make room; if not it
+  refuses (nothing evicted) with :class:`BudgetExceededError`; otherwise it evicts least recently touched
+  handles (retain, renew, claim and claim end touch) until it fits. The budget is never exceeded.
+* **Generations.** A global epoch grows by one each time any block goes back to the allocator (through
+  ``on_free`` or reported by ``block_freed``); the block's generation becomes that epoch. A handle's generation
+  is the epoch when it was issued, so it is stale exactly when one of its blocks has a larger generation.
+* **Claims** pin the handle's blocks (no eviction, no freeing: release or expiry during a read only takes
+  effect when the read ends) until ``complete``/``abort`` or ``claim_timeout_s`` (exclusive too: a complete at
+  the deadline is lost). ``complete`` re-checks the generations, so a read that raced with a reuse is reported
+  instead of trusted. In use-once mode a handle has at most one claim; an abort or timeout makes it claimable
+  again (like vLLM, only a completed read or a release frees it).
+* **Thread safety.** One ``threading.Lock`` guards all state; every public method takes it once and does
+  O(log n + blocks touched) work under it. ``on_free`` runs after the lock is released (it may call back into
+  the ledger); ``clock`` and ``wall_clock`` run under it and must not.
+"""
+
+from __future__ import annotations
+
+import operator
+import secrets
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NoReturn, TypeVar
+
+from ..kv_handle import KVHandle
+from ._checks import check_count, check_positive, check_retain
+from ._heap import DeadlineHeap
+from .errors import (
+    UNAVAILABLE,
+    BudgetExceededError,
+    ClaimLostError,
+    RetentionArgumentError,
+    StaleHandleError,
+    TamperedHandleError,
+)
+
+Mode = Literal["multi_read", "use_once"]
+MODES: tuple[Mode, ...] = ("multi_read", "use_once")
+DEFAULT_TTL_S = 480.0
+R = TypeVar("R")
+# End reasons of a handle; each is also a counter in metrics().
+END_REASONS = ("expired", "evicted", "released", "consumed", "stale")
+
+
+class _Handle:
+    __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "ended", "expiry",
+                 "generation", "handle_id", "num_tokens", "request_id", "tp_size")
+
+    def __init__(self, handle_id: str, request_id: str, conversation_id: str | None, block_ids: tuple[int, ...],
+                 digests: tuple[bytes, ...], num_tokens: int, block_size: int, tp_size: int, expiry: float) -> None:
+        self.handle_id, self.request_id, self.conversation_id = handle_id, request_id, conversation_id
+        self.block_ids, self.digests, self.num_tokens = block_ids, digests, num_tokens
+        self.block_size, self.tp_size, self.expiry = block_size, tp_size, expiry
+        self.generation = 0
+        self.claims = 0  # reads in flight
+        self.ended: str | None = None  # an END_REASONS entry once it can no longer be claimed
+
+    def valid(self, index: int) -> int:
+        """Tokens of block ``index`` that hold KV."""
+        return min(self.block_size, self.num_tokens - index * self.block_size)
+
+
+class _Block:
+    """A retained block: its live holders and what the most complete of them says it holds."""
+
+    __slots__ = ("digest", "holders", "index", "pins", "valid")
+
+    def __init__(self, index: int, digest: bytes, valid: int, holder: _Handle) -> None:
+        self.index, self.digest, self.valid = index, digest, valid
+        self.holders = [holder]  # few (turns of one conversation): a list beats a set in memory
+        self.pins = 0  # holders with reads in flight
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A granted read: the blocks stay pinned until ``complete``/``abort`` or ``deadline`` (monotonic clock)."""
+
+    claim_id: str
+    handle_id: str
+    generation: int
+    block_ids: tuple[int, ...]  # the blocks the reader presented (a prefix of the handle's), or all of them
+    num_tokens: int  # tokens whose KV those blocks hold
+    deadline: float
+    reader: str
+
+
+class _OpenClaim:
+    __slots__ = ("claim", "handle", "open")
+
+    def __init__(self, claim: Claim, handle: _Handle) -> None:
+        self.claim, self.handle, self.open = claim, handle, True
+
+
+class RetentionLedger:
+    """Decode's record of retained blocks and the handles it issued for them; see the module docstring.
+
+    ``on_free(block_ids)`` hands blocks back to the owner's allocator: each retained block exactly once, after
+    its last holder ended; it should not raise (the ledger has already forgotten the blocks). Without it freed
+    blocks are only counted (tests, benchmarks). ``budget_blocks`` may be changed at run time; the next retain
+    evicts down to it. ``tombstones``: how many ended handle and claim ids are remembered to name a refusal.
+
+    A block's owner contract: retain hands the ledger the request's hold on its blocks (a block already retained
+    is shared, not held twice); ``on_free`` gives it back; ``block_freed`` reports one the owner took back itself.
+    """
+
+    def __init__(self, engine_id: str, host: str, port: int, *, ttl_s: float = DEFAULT_TTL_S,
+                 mode: Mode = "multi_read", budget_blocks: int | None = None, budget_bytes: int | None = None,
+                 bytes_per_block: int = 0, claim_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 on_free: Callable[[list[int]], object] | None = None, tombstones: int = 4096) -> None:
+        if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str):
+            raise RetentionArgumentError("engine_id must be a non-empty string and host a string")
+        if type(port) is not int or not 0 < port < 65536:
+            raise RetentionArgumentError(f"port {port!r} is not a TCP port (1..65535): pass the side channel's port")
+        if mode not in MODES:
+            raise RetentionArgumentError(f"mode {mode!r}: use 'multi_read' or 'use_once'")
+        self._ttl = check_positive("ttl_s", ttl_s)
+        self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
+        limits = [check_count("budget_blocks", budget_blocks)] if budget_blocks is not None else []
+        if type(bytes_per_block) is not int or bytes_per_block < 0:
+            raise RetentionArgumentError(f"bytes_per_block {bytes_per_block!r} must be a non-negative int")
+        if budget_bytes is not None:
+            if bytes_per_block <= 0:
+                raise RetentionArgumentError("budget_bytes needs bytes_per_block > 0 (all layers' K and V of a block)")
+            limits.append(check_count("budget_bytes", budget_bytes) // bytes_per_block)
+        self.engine_id, self.host, self.port, self.mode = engine_id, host, port, mode
+        self.bytes_per_block = bytes_per_block
+        self.budget_blocks: int | None = min(limits) if limits else None
+        self._clock, self._wall_clock, self._on_free = clock, wall_clock, on_free
+        self._tombstone_cap = max(0, int(tombstones))
+
+        self._lock = threading.Lock()
+        self._handles: dict[str, _Handle] = {}  # live handles
+        self._lru: OrderedDict[str, _Handle] = OrderedDict()  # live handles without reads in flight, oldest first
+        self._blocks: dict[int, _Block] = {}
+        self._gen: dict[int, int] = {}  # block -> epoch of its last return to the allocator (0: never)
+        self._epoch = 0
+        self._pinned = 0  # retained blocks with pins > 0
+        self._draining = 0  # ended handles whose blocks wait for reads in flight
+        self._conversations: dict[str, set[str]] = {}
+        self._expiry: DeadlineHeap[_Handle] = DeadlineHeap(lambda h: h.ended is None)
+        self._claims: dict[str, _OpenClaim] = {}
+        self._claim_deadlines: DeadlineHeap[_OpenClaim] = DeadlineHeap(lambda c: c.open)
+        self._ended_handles: OrderedDict[str, str] = OrderedDict()  # recent handle id -> end reason
+        self._ended_claims: OrderedDict[str, str] = OrderedDict()
+        self._pending: list[int] = []  # blocks freed by the current operation, for on_free after the lock
+        self._counts: Counter[str] = Counter()
+        self._refusals: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------------------------------ public API
+    def retain(self, request_id: str, block_ids: Iterable[int], digests: Iterable[bytes], num_tokens: int,
+               block_size: int, tp_size: int = 1, conversation_id: str | None = None, *,
+               ttl_s: float | None = None) -> KVHandle:
+        """Keep a finished request's blocks and issue a handle for them (``ttl_s`` overrides the ledger's TTL).
+
+        Raises BudgetExceededError (free ``caller_frees`` normally) or RetentionArgumentError."""
+        ids, digs = check_retain(request_id, block_ids, digests, num_tokens, block_size, tp_size, conversation_id)
+        ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
+        return self._call(lambda: self._retain(request_id, ids, digs, num_tokens, block_size, tp_size,
+                                               conversation_id, ttl))
+
+    def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
+              digests: Sequence[bytes] | None = None, *, reader: str = "") -> Claim:
+        """Check and pin a handle before a READ. ``block_ids``/``digests``, when given, must be the issued ones
+        or a prefix of them (the reader may read fewer blocks). Raises HandleUnavailableError or
+        TamperedHandleError; the reader then recomputes."""
+        ids = None if block_ids is None else tuple(operator.index(b) for b in block_ids)
+        digs = None if digests is None else tuple(bytes(d) for d in digests)
+        return self._call(lambda: self._claim(handle_id, generation, ids, digs, reader))
+
+    def complete(self, claim_id: str) -> Claim:
+        """The read finished. Raises ClaimLostError (timed out) or StaleHandleError (blocks reused meanwhile):
+        then the reader must discard what it read. In use-once mode a completed read frees the handle."""
+        return self._call(lambda: self._complete(claim_id))
+
+    def abort(self, claim_id: str) -> bool:
+        """The read failed or was abandoned: unpin. The handle stays claimable. False if the claim was not live."""
+        return self._call(lambda: self._abort(claim_id))
+
+    def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle:
+        """Extend the handle to ``now + ttl_s`` (never shorten) and touch it; returns the updated wire handle."""
+        ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
+        return self._call(lambda: self._renew(handle_id, ttl))
+
+    def release(self, handle_id: str) -> bool:
+        """End the handle (blocks freed now, or when its reads in flight end). False if it was not live."""
+        return self._call(lambda: self._release([handle_id]) == 1)
+
+    def close_conversation(self, conversation_id: str) -> int:
+        """Release every live handle of a conversation; returns how many."""
+        return self._call(lambda: self._release(list(self._conversations.get(conversation_id, ()))))
+
+    def release_all(self) -> int:
+        """Release every live handle (shutdown); returns how many."""
+        return self._call(lambda: self._release(list(self._handles)))
+
+    def block_freed(self, block_id: int) -> None:
+        """The owner returned ``block_id`` to its free pool (or reused it) without the ledger: its generation
+        moves on and every handle holding it becomes stale. The ledger will not hand it to ``on_free``."""
+        block = operator.index(block_id)
+        def take_back() -> None:
+            if block in self._blocks:
+                self._counts["taken_back"] += 1
+            for holder in self._take_back(block):
+                if holder.ended is None:
+                    self._end(holder, "stale")
+        self._call(take_back)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Expire due handles and time out due claims; returns the handles expired. Cost: O(log n) per entry
+        due, O(1) when nothing is due, whatever the number of live handles."""
+        return self._call(lambda: self._sweep(self._clock() if now is None else now))
+
+    def get(self, handle_id: str) -> KVHandle | None:
+        """The live handle as it would be issued now (remaining TTL), or None."""
+        def look() -> KVHandle | None:
+            now = self._clock()
+            handle = self._handles.get(handle_id)
+            if handle is None:
+                return None
+            if now >= handle.expiry:
+                self._end(handle, "expired")
+                return None
+            return self._wire(handle, now)
+        return self._call(look)
+
+    def generation(self, block_id: int) -> int:
+        with self._lock:
+            return self._gen.get(block_id, 0)
+
+    def retained_block_ids(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def metrics(self) -> dict[str, Any]:
+        """Gauges and counters, JSON-ready."""
+        with self._lock:
+            counts = self._counts
+            return {
+                "retained_blocks": len(self._blocks),
+                "retained_bytes": len(self._blocks) * self.bytes_per_block,
+                "budget_blocks": self.budget_blocks,
+                "pinned_blocks": self._pinned,
+                "live_handles": len(self._handles),
+                "draining_handles": self._draining,
+                "claims_in_flight": len(self._claims),
+                **{name: counts[name] for name in ("retains", "renewals", "claims", "hits", "aborts",
+                                                   "claim_timeouts", "freed_blocks", "taken_back", "superseded")},
+                "expirations": counts["expired"],
+                "evictions": counts["evicted"],
+                "releases": counts["released"],
+                "consumed": counts["consumed"],
+                "stale_handles": counts["stale"],
+                "refusals": dict(self._refusals),
+            }
+
+    # ------------------------------------------------------------------------------------------- internals
+    def _call(self, fn: Callable[[], R]) -> R:
+        """Run ``fn`` under the lock, then hand the blocks it freed to ``on_free`` outside it."""
+        freed: list[int] = []
+        try:
+            with self._lock:
+                try:
+                    return fn()
+                finally:
+                    freed, self._pending = self._pending, []
+        finally:
+            if freed and self._on_free is not None:
+                self._on_free(freed)
+
+    def _retain(self, request_id: str, ids: tuple[int, ...], digs: tuple[bytes, ...], num_tokens: int,
+                block_size: int, tp_size: int, conversation_id: str | None, ttl: float) -> KVHandle:
+        now = self._clock()
+        handle = _Handle(secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens, block_size,
+                         tp_size, now + ttl)
+        new = sum(1 for b in ids if b not in self._blocks)
+        superseded: list[_Handle] = []
+        for k, b in enumerate(ids):  # attach first, so that no block of this request can be freed under us
+            record = self._blocks.get(b)
+            if record is not None and not _extends(record, k, digs[k], handle.valid(k)):
+                self._counts["superseded"] += 1  # the block was reused behind our back: its holders are stale
+                superseded += self._take_back(b)
+                record = None
+            if record is None:
+                self._blocks[b] = _Block(k, digs[k], handle.valid(k), handle)
+            else:
+                record.holders.append(handle)
+                if handle.valid(k) > record.valid:
+                    record.valid, record.digest = handle.valid(k), digs[k]
+        for holder in superseded:
+            if holder.ended is None:
+                self._end(holder, "stale")
+        self._sweep(now)  # after attaching (a shared block must survive its old holder), before evicting
+        limit = self.budget_blocks
+        if limit is not None and len(self._blocks) > limit:
+            unevictable = self._pinned + sum(1 for b in ids if self._blocks[b].pins == 0)
+            if unevictable > limit:
+                self._refusals["budget"] += 1
+                message = (f"retaining {len(ids)} blocks ({new} not yet retained) would exceed the budget of "
+                           f"{limit} blocks: {len(self._blocks) - new} retained, {self._pinned} pinned by reads in "
+                           "flight; free the request's blocks normally (caller_frees) and let the next turn "
+                           "recompute, or raise the budget")
+                raise BudgetExceededError(message, caller_frees=self._detach(handle))
+            while len(self._blocks) > limit:
+                _, victim = self._lru.popitem(last=False)  # never empty here: the check above counted the room
+                self._end(victim, "evicted")
+        handle.generation = self._epoch  # >= every generation of its blocks
+        self._handles[handle.handle_id] = handle
+        self._lru[handle.handle_id] = handle
+        self._expiry.push(handle.expiry, handle)
+        if conversation_id is not None:
+            self._conversations.setdefault(conversation_id, set()).add(handle.handle_id)
+        self._counts["retains"] += 1
+        return self._wire(handle, now, ttl)
+
+    def _claim(self, handle_id: str, generation: int, ids: tuple[int, ...] | None, digs: tuple[bytes, ...] | None,
+               reader: str) -> Claim:
+        now = self._clock()
+        handle = self._live(handle_id, now, count=True)
+        count = len(handle.block_ids)
+        if generation != handle.generation:
+            self._tampered(handle_id, f"generation {generation} presented, {handle.generation} issued")
+        if ids is not None:
+            if not ids or ids != handle.block_ids[: len(ids)]:
+                self._tampered(handle_id, "block ids are not the issued ones or a prefix of them")
+            count = len(ids)
+        if digs is not None:
+            if not digs or digs != handle.digests[: len(digs)] or (ids is not None and len(digs) != count):
+                self._tampered(handle_id, "digests are not the issued ones")
+            count = len(digs)
+        if any(self._gen.get(b, 0) > handle.generation for b in handle.block_ids):  # defensive: block_freed ends it
+            self._end(handle, "stale")
+            self._refuse("stale", handle_id, "its blocks went back to the allocator")
+        if self.mode == "use_once" and handle.claims:
+            self._refuse("in_use", handle_id, "another reader holds the use-once claim")
+        if handle.claims == 0:
+            del self._lru[handle_id]  # a handle being read is never evicted
+            self._pin(handle, +1)
+        handle.claims += 1
+        claim = Claim(secrets.token_urlsafe(18), handle_id, handle.generation, handle.block_ids[:count],
+                      min(handle.num_tokens, count * handle.block_size), now + self._claim_timeout, reader)
+        record = _OpenClaim(claim, handle)
+        self._claims[claim.claim_id] = record
+        self._claim_deadlines.push(claim.deadline, record)
+        self._counts["claims"] += 1
+        return claim
+
+    def _complete(self, claim_id: str) -> Claim:
+        now = self._clock()
+        record = self._pop_claim(claim_id)
+        if record is None:
+            raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
+        handle, claim = record.handle, record.claim
+        if now >= claim.deadline:  # past its deadline the blocks were not guaranteed pinned
+            self._counts["claim_timeouts"] += 1
+            self._close_claim(record, "timed out")
+            raise ClaimLostError(claim_id, "timed out")
+        stale = any(self._gen.get(b, 0) > handle.generation for b in claim.block_ids)
+        self._close_claim(record, "stale" if stale else "completed")
+        if stale:
+            self._refusals["stale"] += 1
+            raise StaleHandleError(handle.handle_id, "its blocks were reused during the read: discard them")
+        self._counts["hits"] += 1
+        if self.mode == "use_once" and handle.ended is None:
+            self._end(handle, "consumed")
+        return claim
+
+    def _abort(self, claim_id: str) -> bool:
+        record = self._pop_claim(claim_id)
+        if record is None:
+            return False
+        self._counts["aborts"] += 1
+        self._close_claim(record, "aborted")
+        return True
+
+    def _renew(self, handle_id: str, ttl: float) -> KVHandle:
+        now = self._clock()
+        handle = self._live(handle_id, now, count=False)
+        handle.expiry = max(handle.expiry, now + ttl)  # the heap entry stays: re-pushed when it comes due
+        if handle_id in self._lru:
+            self._lru.move_to_end(handle_id)
+        self._counts["renewals"] += 1
+        return self._wire(handle, now)
+
+    def _release(self, handle_ids: list[str]) -> int:
+        released = 0
+        for handle_id in handle_ids:
+            handle = self._handles.get(handle_id)
+            if handle is not None:
+                self._end(handle, "released")
+                released += 1
+        return released
+
+    def _sweep(self, now: float) -> int:
+        for _, record in self._claim_deadlines.pop_due(now):
+            del self._claims[record.claim.claim_id]
+            record.open = False
+            self._counts["claim_timeouts"] += 1
+            self._close_claim(record, "timed out")
+        expired = 0
+        for _, handle in self._expiry.pop_due(now):
+            if handle.expiry > now:  # renewed since it was pushed
+                self._expiry.push(handle.expiry, handle)
+            else:
+                self._end(handle, "expired", in_heap=False)
+                expired += 1
+        return expired
+
+    def _live(self, handle_id: str, now: float, *, count: bool) -> _Handle:
+        handle = self._handles.get(handle_id)
+        if handle is None:
+            reason = self._ended_handles.get(handle_id, "unknown")
+            self._refuse(reason, handle_id, "" if reason != "unknown" else "never issued here, or ended long ago",
+                         count=count)
+        if now >= handle.expiry:  # expiry is exclusive: at the deadline it is gone
+            self._end(handle, "expired")
+            self._refuse("expired", handle_id, count=count)
+        return handle
+
+    def _refuse(self, reason: str, handle_id: str, detail: str = "", *, count: bool = True) -> NoReturn:
+        if count:
+            self._refusals[reason] += 1
+        raise UNAVAILABLE[reason](handle_id, detail)
+
+    def _tampered(self, handle_id: str, detail: str) -> NoReturn:
+        self._refusals["tampered"] += 1
+        raise TamperedHandleError(handle_id, detail)
+
+    def _end(self, handle: _Handle, reason: str, *, in_heap: bool = True) -> None:
+        """The handle can no longer be claimed; its blocks go now, or when its last read in flight ends."""
+        handle.ended = reason  # before discard(): a compaction asks whether it is alive
+        del self._handles[handle.handle_id]
+        self._lru.pop(handle.handle_id, None)
+        if in_heap:
+            self._expiry.discard()
+        _remember(self._ended_handles, handle.handle_id, reason, self._tombstone_cap)
+        if handle.conversation_id is not None:
+            ids = self._conversations.get(handle.conversation_id)
+            if ids is not None:
+                ids.discard(handle.handle_id)
+                if not ids:
+                    del self._conversations[handle.conversation_id]
+        self._counts[reason] += 1
+        if handle.claims:
+            self._draining += 1
+        else:
+            self._drop_holds(handle)
+
+    def _drop_holds(self, handle: _Handle) -> None:
+        for b in handle.block_ids:
+            record = self._blocks.get(b)
+            if record is None:
+                continue  # taken back by the owner already
+            try:
+                record.holders.remove(handle)  # identity: _Handle has no __eq__
+            except ValueError:
+                continue  # the block was taken back and retained anew by someone else
+            if not record.holders:
+                del self._blocks[b]
+                self._bump(b)
+                self._pending.append(b)
+                self._counts["freed_blocks"] += 1
+
+    def _take_back(self, block: int) -> list[_Handle]:
+        """The owner has ``block`` back (or reused it): forget it without on_free. Returns its holders, now stale:
+        the caller ends them."""
+        self._bump(block)
+        record = self._blocks.pop(block, None)
+        if record is None:
+            return []
+        if record.pins:
+            self._pinned -= 1
+        return record.holders
+
+    def _detach(self, handle: _Handle) -> list[int]:
+        """Undo a refused retain's attach; returns the blocks no one else holds (the caller's to free)."""
+        frees = []
+        for b in handle.block_ids:
+            record = self._blocks[b]
+            record.holders.remove(handle)
+            if not record.holders:  # pins are 0: its only holder was never claimed
+                del self._blocks[b]
+                self._bump(b)
+                frees.append(b)
+        return frees
+
+    def _bump(self, block: int) -> None:
+        self._epoch += 1
+        self._gen[block] = self._epoch
+
+    def _pin(self, handle: _Handle, delta: int) -> None:
+        for b in handle.block_ids:
+            record = self._blocks.get(b)
+            if record is None or not any(h is handle for h in record.holders):
+                continue
+            before = record.pins
+            record.pins += delta
+            self._pinned += (record.pins > 0) - (before > 0)
+
+    def _pop_claim(self, claim_id: str) -> _OpenClaim | None:
+        record = self._claims.pop(claim_id, None)
+        if record is not None:
+            record.open = False
+            self._claim_deadlines.discard()
+        return record
+
+    def _close_claim(self, record: _OpenClaim, why: str) -> None:
+        _remember(self._ended_claims, record.claim.claim_id, why, self._tombstone_cap)
+        handle = record.handle
+        handle.claims -= 1
+        if handle.claims:
+            return
+        self._pin(handle, -1)
+        if handle.ended is None:
+            self._lru[handle.handle_id] = handle  # a finished read is a touch: most recent
+        else:
+            self._draining -= 1
+            self._drop_holds(handle)
+
+    def _wire(self, handle: _Handle, now: float, ttl_left: float | None = None) -> KVHandle:
+        if ttl_left is None:
+            ttl_left = max(0.0, handle.expiry - now)
+        issued_at = self._wall_clock()
+        return KVHandle(engine_id=self.engine_id, request_id=handle.request_id, host=self.host, port=self.port,
+                        block_ids=handle.block_ids, num_tokens=handle.num_tokens, expiry_time=issued_at + ttl_left,
+                        tp_size=handle.tp_size, handle_id=handle.handle_id, generation=handle.generation,
+                        block_size=handle.block_size, digests=handle.digests, issued_at=issued_at, ttl_s=ttl_left)
+
+
+def _extends(record: _Block, index: int, digest: bytes, valid: int) -> bool:
+    """Whether a new holder's view of a retained block is compatible with the record (see module docstring)."""
+    return record.index == index and (valid > record.valid or (valid == record.valid and digest == record.digest))
+
+
+def _remember(tombstones: OrderedDict[str, str], key: str, reason: str, cap: int) -> None:
+    tombstones[key] = reason
+    while len(tombstones) > cap:
+        tombstones.popitem(last=False)
