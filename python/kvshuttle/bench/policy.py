@@ -134,6 +134,7 @@ def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[di
             "naive_over_decide": ratio(t_peer, t_ours),
             "meets_target": t_ours * 1e6 <= DECIDE_TARGET_US,
         })
+    out.append(_decide_and_claim(args, remote, prompt, config))
     raw_number = max(3, args.number // 50)
     out.append({
         "case": "context", "blocks": args.blocks,
@@ -143,6 +144,28 @@ def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[di
         "parse_handle_us": round(per_call(lambda: parse_handle(params), raw_number, args.repeat) * 1e6, 1),
     })
     return out
+
+
+def _decide_and_claim(args: argparse.Namespace, remote: np.ndarray[Any, Any], prompt: np.ndarray[Any, Any],
+                      config: PolicyConfig) -> dict[str, Any]:
+    """One request's whole bookkeeping: decide, then the decode ledger's claim and complete (digests excluded)."""
+    from ..retention import RetentionLedger
+
+    bs = args.block_size
+    ledger = RetentionLedger("bench", "127.0.0.1", 5600)
+    handle = ledger.retain("r", range(len(remote) // bs + 1), block_digests(remote, bs), len(remote), bs)
+    digests = PromptDigests.from_tokens(prompt, bs)
+
+    def request() -> None:
+        decision = decide(digests, local_hit_tokens=0, handle=handle, now_wall=handle.issued_at, config=config)
+        count = len(decision.fetch_blocks)
+        claim = ledger.claim(handle.handle_id, handle.generation, handle.block_ids[:count], handle.digests[:count])
+        ledger.complete(claim.claim_id)
+
+    t = per_call(request, args.number, args.repeat)
+    return {"case": "decide+claim+complete", "blocks": args.blocks, "action": "fetch", "reason": "fetch",
+            "fetch_tokens": 0, "mismatch_block": None, "decide_us": round(t * 1e6, 2), "naive_loop_us": 0.0,
+            "naive_over_decide": 0.0, "meets_target": t * 1e6 <= DECIDE_TARGET_US}
 
 
 def _digest_case(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
