@@ -64,7 +64,7 @@ def claim_request(handle: KVHandle, num_blocks: int | None, reader: str) -> dict
     """The side-channel message claiming the first ``num_blocks`` blocks of ``handle`` (all when None)."""
     count = len(handle.block_ids) if num_blocks is None else num_blocks
     return {"op": "claim", "handle_id": handle.handle_id, "generation": handle.generation,
-            "block_ids": list(handle.block_ids[:count]), "digests": [bytes(d) for d in handle.digests[:count]],
+            "block_ids": list(handle.block_ids[:count]), "digests": list(handle.digests[:count]),
             "reader": reader}
 
 
@@ -75,9 +75,9 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any]) -> di
                 "message": "this owner keeps no retention ledger; recompute"}
     try:
         if message["op"] == "claim":
-            granted = authority.claim(str(message["handle_id"]), int(message["generation"]),
-                                      [int(b) for b in message["block_ids"]],
-                                      [bytes(d) for d in message["digests"]], reader=str(message.get("reader", "")))
+            # Lists straight from msgpack: the authority compares them with what it issued, element-wise.
+            granted = authority.claim(str(message["handle_id"]), int(message["generation"]), message["block_ids"],
+                                      message["digests"], reader=str(message.get("reader", "")))
             return {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
                     "num_tokens": granted.num_tokens}
         claim_id = str(message["claim_id"])
@@ -96,7 +96,7 @@ def ticket_from_reply(reply: dict[str, Any], address: str) -> ClaimTicket:
     if reply.get("op") != "claimed":
         raise ClaimRefusedError(f"owner at {address} refused the claim: {reply.get('message')}",
                                 str(reply.get("reason", "Unknown")))
-    return ClaimTicket(str(reply["claim_id"]), tuple(int(b) for b in reply["block_ids"]), int(reply["num_tokens"]))
+    return ClaimTicket(str(reply["claim_id"]), tuple(reply["block_ids"]), int(reply["num_tokens"]))
 
 
 def check_done_reply(reply: dict[str, Any], address: str) -> None:

@@ -68,7 +68,7 @@ class TransferHandle:
         self.transfer_id = transfer_id
         self.path = path
         self.reason = reason
-        self.local_block_ids: tuple[int, ...] = tuple(int(b) for b in local_ids)
+        self.local_block_ids: tuple[int, ...] = tuple(np.asarray(local_ids, dtype=np.int64).tolist())
         self.started = time.perf_counter()
         self._state = TransferState.PENDING
         self._error: TransferError | None = None
