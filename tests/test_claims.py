@@ -78,7 +78,7 @@ def test_tampered_or_stale_claims_are_refused(pair: dict[str, Any], change: str)
     elif change == "block_ids":
         params["remote_block_ids"][1] = 60
     elif change == "digests":
-        params["kvshuttle_digests"][0] = "00" * 16
+        params["kvshuttle_digests"] = "00" * 16 + params["kvshuttle_digests"][32:]
     else:
         params["kvshuttle_handle_id"] = "not-a-handle"
     with pytest.raises(ClaimRefusedError):

@@ -332,9 +332,11 @@ def _params(**changes: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("params", [
     _params(kvshuttle_version=99),
-    _params(kvshuttle_digests=["zz"] * 7),
-    _params(kvshuttle_digests=[1] * 7),
-    _params(kvshuttle_digests=["00" * 16] * 6),  # one digest short
+    _params(kvshuttle_digests="zz" * 7),
+    _params(kvshuttle_digests=["00" * 16] * 7),  # a list, not one string
+    _params(kvshuttle_digests="00" * 16 * 6),  # one digest short
+    _params(kvshuttle_digests="00" * 16 * 7 + "00"),  # not a whole number of digests
+    _params(kvshuttle_digest_size=0),
     _params(remote_block_ids=[1, 1, 2, 3, 4, 5, 6]),
     _params(remote_block_ids=[-1, 1, 2, 3, 4, 5, 6]),
     _params(remote_num_tokens=200),
