@@ -1,20 +1,17 @@
 // Python binding of the read planner: outputs are numpy arrays the C++ pass fills in place.
 //
-// Big row arrays come from a small cache of buffers whose pages are already mapped: a 196,608-row plan
-// is 9.4 MB for both sides, and faulting fresh pages in costs ten times more than writing the rows.
-// A buffer goes back to the cache when numpy frees the array that owns it.
+// Big row arrays come from the row buffer pool (row_buffer_pool.h); a buffer goes back to it when numpy
+// frees the array that owns it.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <mutex>
-#include <new>
 #include <stdexcept>
 #include <utility>
 #include <vector>
 
 #include "kvshuttle/descriptor_plan.h"
+#include "row_buffer_pool.h"
 
 namespace py = pybind11;
 
@@ -25,64 +22,6 @@ using Indices = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using Rows = py::array_t<uint64_t, py::array::c_style>;
 
 constexpr size_t kRowBytes = 3 * sizeof(uint64_t);
-constexpr size_t kPooledMinBytes = size_t{1} << 20;  // smaller arrays: plain numpy allocation
-constexpr size_t kPoolMaxCachedBytes = size_t{64} << 20;
-constexpr size_t kHeaderBytes = 64;  // capacity in front of the rows, keeps them cache-line aligned
-
-class RowBufferPool {
- public:
-  // Rows for at least `bytes`: the smallest cached buffer that fits, else a fresh one.
-  uint64_t* acquire(size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      size_t best = cached_.size();
-      for (size_t i = 0; i < cached_.size(); ++i) {
-        const bool fits = capacity(cached_[i]) >= bytes;
-        if (fits && (best == cached_.size() || capacity(cached_[i]) < capacity(cached_[best]))) {
-          best = i;
-        }
-      }
-      if (best != cached_.size()) {
-        uint64_t* rows = cached_[best];
-        cached_bytes_ -= capacity(rows);
-        cached_.erase(cached_.begin() + static_cast<std::ptrdiff_t>(best));
-        return rows;
-      }
-    }
-    char* raw = static_cast<char*>(std::aligned_alloc(kHeaderBytes, kHeaderBytes + round_up(bytes)));
-    if (raw == nullptr) throw std::bad_alloc();
-    *reinterpret_cast<size_t*>(raw) = round_up(bytes);
-    return reinterpret_cast<uint64_t*>(raw + kHeaderBytes);
-  }
-
-  void release(uint64_t* rows) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (cached_bytes_ + capacity(rows) <= kPoolMaxCachedBytes) {
-        cached_bytes_ += capacity(rows);
-        cached_.push_back(rows);
-        return;
-      }
-    }
-    std::free(reinterpret_cast<char*>(rows) - kHeaderBytes);
-  }
-
- private:
-  static size_t round_up(size_t bytes) { return (bytes + kHeaderBytes - 1) / kHeaderBytes * kHeaderBytes; }
-  static size_t capacity(const uint64_t* rows) {
-    return *reinterpret_cast<const size_t*>(reinterpret_cast<const char*>(rows) - kHeaderBytes);
-  }
-
-  std::mutex mutex_;
-  std::vector<uint64_t*> cached_;
-  size_t cached_bytes_ = 0;
-};
-
-// Never destroyed: arrays may outlive module teardown and still return their buffers.
-RowBufferPool& row_pool() {
-  static RowBufferPool* pool = new RowBufferPool();
-  return *pool;
-}
 
 // A [capacity, 3] uint64 array for the pass to fill; `shrink` then trims it to the rows written.
 class RowArray {

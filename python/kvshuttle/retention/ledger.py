@@ -499,7 +499,7 @@ class RetentionLedger:
         for b in handle.block_ids:
             record = self._blocks[b]
             record.holders.remove(handle)
-            if not record.holders:  # pins are 0: its only holder was never claimed
+            if not record.holders:  # no read in flight: its only holder was never claimed
                 del self._blocks[b]
                 self._bump(b)
                 frees.append(b)
