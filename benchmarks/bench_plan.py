@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvshuttle import plan
 from kvshuttle.bench.plan import case_ids, fa_side, vllm_style_descriptors, warm_allocator
+from kvshuttle.core import plan
 
 LAYERS, READ, CACHE_BLOCKS, PIECE = 16, 512, 1024, 32 * 1024
 

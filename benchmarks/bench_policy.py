@@ -19,8 +19,7 @@ from kvshuttle.bench.policy import (
     naive_first_mismatch,
     vllm_style_digests,
 )
-from kvshuttle.digests import PromptDigests, block_digests
-from kvshuttle.policy import PolicyConfig, decide
+from kvshuttle.policy import PolicyConfig, PromptDigests, block_digests, decide
 
 BLOCKS, BS = 256, 16
 

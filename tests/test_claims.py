@@ -11,8 +11,7 @@ import pytest
 pytest.importorskip("nixl._api")
 
 from kvshuttle import PagedKVCache
-from kvshuttle.digests import block_digests
-from kvshuttle.kv_handle import KVHandle
+from kvshuttle.policy import KVHandle, block_digests
 from kvshuttle.retention import RetentionLedger
 from kvshuttle.transfer import ClaimRefusedError, EngineConfig, TransferEngine
 

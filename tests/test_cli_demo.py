@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvshuttle.demo import run_demo
-from kvshuttle.demo_workers import DemoShape
+from kvshuttle.demo.run import run_demo
+from kvshuttle.demo.workers import DemoShape
 
 
 def kvshuttle(*args: str) -> subprocess.CompletedProcess[str]:

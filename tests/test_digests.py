@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshuttle.digests import (
+from kvshuttle.policy.digests import (
     DEFAULT_DIGEST_SIZE,
     PERSON,
     DigestError,

@@ -27,7 +27,7 @@ from kvshuttle import (
     staging_nbytes,
     unpack,
 )
-from kvshuttle import ops as kv_ops
+from kvshuttle.core import ops as kv_ops
 
 GEO = Geo("flash_attn", "NHD", "float16", num_layers=2, num_blocks=8, block_size=4, num_heads=3, head_size=5)
 BACKENDS = ["native", "reference", "auto"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvshuttle.kv_handle import HandleFormatError, KVHandle
+from kvshuttle.policy import HandleFormatError, KVHandle
 
 
 def handle(blocks: int = 5, tokens: int = 70) -> KVHandle:

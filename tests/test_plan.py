@@ -18,9 +18,9 @@ import pytest
 
 from conftest import KINDS, ORDERS, Geo, canonical_bytes, make_cache, random_ids
 from kvshuttle import BackendError, BlockIdError, KVShuttleError, LayoutError
-from kvshuttle import plan as kv_plan
-from kvshuttle.arrays import host_bytes
-from kvshuttle.plan import ReadPlan, SideGeometry, plan_read
+from kvshuttle.core import plan as kv_plan
+from kvshuttle.core.arrays import host_bytes
+from kvshuttle.core.plan import ReadPlan, SideGeometry, plan_read
 
 needs_native = pytest.mark.skipif(not kv_plan.native_available(), reason="native planner not built")
 BACKENDS = [pytest.param("native", marks=needs_native), "reference"]

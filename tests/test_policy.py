@@ -13,14 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvshuttle.digests import PromptDigests, block_digests
-from kvshuttle.kv_handle import KVHandle
 from kvshuttle.policy import (
     CostEstimate,
     Decision,
+    KVHandle,
     PolicyConfig,
     PolicyError,
+    PromptDigests,
     Reason,
+    block_digests,
     decide,
     decide_from_params,
     estimate_clock_offset,
@@ -554,7 +555,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED or name == "kvshuttle._native":
             raise ImportError("blocked " + name)
 sys.meta_path.insert(0, Block())
-import kvshuttle.policy, kvshuttle.digests
+import kvshuttle.policy
 loaded = [m for m in sys.modules if m.split(".")[0] in BLOCKED or m == "kvshuttle._native"]
 assert not loaded, loaded
 """

@@ -9,9 +9,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvshuttle.digests import PromptDigests, block_digests
-from kvshuttle.kv_handle import KVHandle
-from kvshuttle.policy import PolicyConfig
+from kvshuttle.policy import KVHandle, PolicyConfig, PromptDigests, block_digests
 from test_policy import NOW, make_handle, run
 
 

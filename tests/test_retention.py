@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvshuttle.errors import KVShuttleError
-from kvshuttle.kv_handle import KVHandle
+from kvshuttle.policy import KVHandle
 from kvshuttle.retention import (
     BudgetExceededError,
     ClaimLostError,

@@ -14,8 +14,8 @@ pytest.importorskip("zmq")
 
 from conftest import Geo, make_cache
 from kvshuttle import BlockIdError, KVShuttleError, StagingError, StagingLayout, TokenOrder
-from kvshuttle.block_ids import check_ids
-from kvshuttle.plan import SideGeometry
+from kvshuttle.core.blocks import check_ids
+from kvshuttle.core.plan import SideGeometry
 from kvshuttle.transfer import (
     BlockRangeError,
     IncompatiblePeerError,

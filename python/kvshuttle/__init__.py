@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .core.layout import CacheGeometry, CacheKind, PagedKVCache, StagingLayout, TokenOrder
+from .core.ops import pack, staging_nbytes, unpack
 from .errors import BackendError, BlockIdError, KVShuttleError, LayoutError, StagingError
-from .layout import CacheGeometry, CacheKind, PagedKVCache, StagingLayout, TokenOrder
-from .ops import pack, staging_nbytes, unpack
 
 __version__ = "0.1.0"
 
@@ -31,7 +31,7 @@ __all__ = [
 
 def build_info() -> dict[str, Any]:
     """What was built (CPU path, CUDA path, architectures) and whether a GPU is usable now."""
-    from .ops import native_module
+    from .core.ops import native_module
 
     native = native_module()
     if native is None:

@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="what was built and whether a GPU is usable")
     demo = commands.add_parser("demo", help="decode + prefill processes: a multi-turn conversation read back over NIXL")
-    from . import demo as demo_module
+    from .demo import run as demo_module
 
     demo_module.add_arguments(demo)
     bench = commands.add_parser("bench", help="microbenchmarks with ratios against a peer measured in the same run")
@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
-        from . import demo as demo_module
+        from .demo import run as demo_module
 
         return demo_module.main(args)
     if args.command == "info":

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import ops
-from ..layout import CacheKind, PagedKVCache
+from ..core import ops
+from ..core.layout import CacheKind, PagedKVCache
 from .timing import batched_seconds, gbps, median_seconds, ratio
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import plan
+from ..core import plan
 from .timing import median_seconds, ratio
 
 U64 = npt.NDArray[np.uint64]

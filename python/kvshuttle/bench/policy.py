@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..digests import PERSON, PromptDigests, block_digests
-from ..kv_handle import KVHandle
-from ..policy import Decision, PolicyConfig, decide, parse_handle
+from ..policy.decision import Decision, PolicyConfig, decide, parse_handle
+from ..policy.digests import PERSON, PromptDigests, block_digests
+from ..policy.kv_handle import KVHandle
 from .timing import median_seconds, ratio
 
 DECIDE_TARGET_US = 50.0

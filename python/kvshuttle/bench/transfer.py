@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..layout import CacheKind, PagedKVCache
+from ..core.layout import CacheKind, PagedKVCache
 from .timing import gbps, median_seconds, ratio
 
 

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeVar
 
-from ..kv_handle import KVHandle
+from ..policy.kv_handle import KVHandle
 from ._checks import check_count, check_positive, check_retain
 from ._heap import DeadlineHeap
 from .errors import (

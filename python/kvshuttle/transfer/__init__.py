@@ -22,7 +22,7 @@ from .errors import (
     TransferError,
     TransferTimeoutError,
 )
-from .handle import TransferHandle, TransferState, TransferTelemetry
+from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
 __all__ = [
     "BlockRangeError",

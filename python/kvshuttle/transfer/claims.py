@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import KVShuttleError
-from ..kv_handle import KVHandle
+from ..policy.kv_handle import KVHandle
 from .errors import TransferError
 
 

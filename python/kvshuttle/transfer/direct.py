@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..plan import ReadPlan, SideGeometry
+from ..core.plan import ReadPlan, SideGeometry
 from ._nixl import DlistHandle, MemType, NixlAgent, NixlCallError, XferHandle
 from .errors import PeerLostError, TransferError, TransferTimeoutError
-from .handle import TransferHandle, TransferState, TransferTelemetry
+from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
 
 def all_pieces(side: SideGeometry) -> npt.NDArray[np.uint64]:

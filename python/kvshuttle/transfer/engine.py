@@ -29,11 +29,11 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from ..block_ids import check_ids
+from ..core.blocks import check_ids
+from ..core.layout import PagedKVCache, StagingLayout
+from ..core.plan import ReadPlan, SideGeometry, plan_read
 from ..errors import BlockIdError, StagingError
-from ..kv_handle import KVHandle
-from ..layout import PagedKVCache, StagingLayout
-from ..plan import ReadPlan, SideGeometry, plan_read
+from ..policy.kv_handle import KVHandle
 from ._nixl import DlistHandle, MemType, NixlAgent, NixlCallError, RegHandle
 from .claims import ClaimAuthority, ClaimTicket, check_done_reply, claim_request, ticket_from_reply
 from .direct import DirectRequest, DirectTransfer, all_pieces, build_initialize, build_prepped
@@ -48,11 +48,11 @@ from .errors import (
     StagingTooSmallError,
     TransferError,
 )
-from .handle import TransferHandle, TransferState, TransferTelemetry
-from .owner import OwnerService
+from .owner_service import OwnerService
 from .packed import PackedSetup, PackedTransfer
 from .side_channel import Connection, SideChannelServer
 from .staging import StagingPool, chunk_tokens, plan_chunks
+from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 from .wire import (
     NOTIF_PREFIX,
     PROTOCOL_VERSION,

@@ -21,8 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from .. import ops
-from ..layout import PagedKVCache, StagingLayout
+from ..core import ops
+from ..core.layout import PagedKVCache, StagingLayout
 from ._nixl import MemType, NixlAgent, NixlCallError
 from .errors import (
     BlockRangeError,
@@ -33,9 +33,9 @@ from .errors import (
     TransferError,
     TransferTimeoutError,
 )
-from .handle import TransferHandle, TransferState, TransferTelemetry
 from .side_channel import Connection, ConnectionLender
 from .staging import Chunk, StagingPool, layout_to_wire
+from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 from .wire import NOTIF_PREFIX
 
 log = logging.getLogger(__name__)

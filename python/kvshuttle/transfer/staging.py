@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import describe
+from ..core.arrays import describe
+from ..core.layout import StagingLayout, TokenOrder
 from ..errors import StagingError
-from ..layout import StagingLayout, TokenOrder
 from .errors import StagingExhaustedError
 
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from ..layout import CacheGeometry, CacheKind
-from ..plan import SideGeometry
+from ..core.layout import CacheGeometry, CacheKind
+from ..core.plan import SideGeometry
 from .errors import IncompatiblePeerError, ProtocolError
 
 PROTOCOL_VERSION = 1

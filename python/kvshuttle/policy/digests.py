@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import KVShuttleError
+from ..errors import KVShuttleError
 
 PERSON = b"kvshuttle.dg.v1"  # blake2b personalisation: our digests never equal another protocol's
 DEFAULT_DIGEST_SIZE = 16

@@ -38,8 +38,8 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 
+from ..errors import KVShuttleError
 from .digests import DigestError, PromptDigests, TokenIds
-from .errors import KVShuttleError
 from .kv_handle import PREFIX, HandleFormatError, KVHandle
 
 Action = Literal["local", "fetch", "recompute"]

@@ -16,15 +16,15 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import BackendError, BlockIdError, LayoutError, StagingError
 from . import reference
 from .arrays import ArrayView, describe, host_bytes
-from .block_ids import BlockIds, check_ids
-from .errors import BackendError, BlockIdError, LayoutError, StagingError
+from .blocks import BlockIds, check_ids
 from .layout import CacheGeometry, PagedKVCache, StagingLayout, TokenOrder
 
 _native: ModuleType | None
 try:
-    from . import _native
+    from .. import _native
 except ImportError:  # a source checkout without a build: the reference still works on host memory
     _native = None
 

@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import ops
-from ..block_ids import as_ids, check_ids
+from ..core import ops
+from ..core.blocks import as_ids, check_ids
+from ..core.layout import PagedKVCache
 from ..errors import BlockIdError, KVShuttleError, LayoutError
-from ..layout import PagedKVCache
 from .claims import ClaimAuthority, serve_claim
 from .errors import StagingExhaustedError
 from .side_channel import SideChannelServer

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import LayoutError
 from .arrays import ArrayView, describe
-from .errors import LayoutError
 
 
 class CacheKind(str, enum.Enum):

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import BackendError, BlockIdError, LayoutError
 from . import reference
-from .block_ids import BlockIds, as_ids, check_ids
-from .errors import BackendError, BlockIdError, LayoutError
+from .blocks import BlockIds, as_ids, check_ids
 from .layout import PagedKVCache
 
 _native: Any  # the extension module, or None in a source checkout without a build (the reference plans)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .demo_workers import DemoShape, WorkerProcess
+from .workers import DemoShape, WorkerProcess
 
 VOCAB = 32_000
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import KVShuttleError
+from ..errors import KVShuttleError
 
 WIRE_VERSION = 1
 PREFIX = "kvshuttle_"

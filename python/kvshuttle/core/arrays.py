@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 
 @dataclass(frozen=True)

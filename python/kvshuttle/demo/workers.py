@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kv_handle import KVHandle
-from .policy import Decision
+from ..policy.decision import Decision
+from ..policy.kv_handle import KVHandle
 
 COMMAND_TIMEOUT_S = 60.0
 
@@ -56,8 +56,8 @@ class PagedWorker:
     """A paged DRAM cache with a block allocator and a TransferEngine."""
 
     def __init__(self, shape: DemoShape, role: str) -> None:
-        from .layout import CacheKind, PagedKVCache
-        from .transfer import EngineConfig, TransferEngine
+        from ..core.layout import CacheKind, PagedKVCache
+        from ..transfer import EngineConfig, TransferEngine
 
         self.shape = shape
         rng = np.random.default_rng((shape.seed, 1 if role == "decode" else 2))
@@ -93,7 +93,7 @@ class Decode(PagedWorker):
     """Generates answers and retains each finished request's blocks in a ledger; serves claims and reads."""
 
     def __init__(self, shape: DemoShape) -> None:
-        from .retention import RetentionLedger
+        from ..retention import RetentionLedger
 
         super().__init__(shape, "decode")
         self.address = self.engine.serve()
@@ -107,7 +107,7 @@ class Decode(PagedWorker):
     def finish_turn(self, conversation: str, request_id: str, tokens: list[int], held: int,
                     ttl_s: float | None) -> dict[str, Any]:
         """The request's KV (prompt from prefill, then the generated answer) is in fresh blocks; retain them."""
-        from .digests import block_digests
+        from ..policy.digests import block_digests
 
         blocks = self.allocate(held)
         self.write(blocks, tokens, 0, held)
@@ -127,8 +127,8 @@ class Prefill(PagedWorker):
 
     def turn(self, tokens: list[int], kv_transfer_params: dict[str, Any] | None, path: str,
              threshold_tokens: int) -> dict[str, Any]:
-        from .policy import PolicyConfig, decide, parse_handle
-        from .transfer import TransferError
+        from ..policy.decision import PolicyConfig, decide, parse_handle
+        from ..transfer import TransferError
 
         handle = None if kv_transfer_params is None else parse_handle(kv_transfer_params)
         if isinstance(handle, Decision):  # malformed or tampered: recompute, reason recorded

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import BlockIdError
+from ..errors import BlockIdError
 
 BlockIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 Ids = npt.NDArray[np.int64]

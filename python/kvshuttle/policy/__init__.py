@@ -1,0 +1,43 @@
+"""Reuse logic: block digests, the retention handle (``kv_transfer_params``) and the reuse-or-recompute policy.
+
+Stdlib + numpy only: imports without torch, CUDA, NIXL or the native module.
+"""
+
+from __future__ import annotations
+
+from .decision import (
+    CostEstimate,
+    CostInputs,
+    Decision,
+    PolicyConfig,
+    PolicyError,
+    Reason,
+    decide,
+    decide_from_params,
+    estimate_clock_offset,
+    parse_handle,
+    transfer_cost_inputs,
+)
+from .digests import DEFAULT_DIGEST_SIZE, DigestError, PromptDigests, block_digests, from_vllm_block_hashes
+from .kv_handle import HandleFormatError, KVHandle
+
+__all__ = [
+    "DEFAULT_DIGEST_SIZE",
+    "CostEstimate",
+    "CostInputs",
+    "Decision",
+    "DigestError",
+    "HandleFormatError",
+    "KVHandle",
+    "PolicyConfig",
+    "PolicyError",
+    "PromptDigests",
+    "Reason",
+    "block_digests",
+    "decide",
+    "decide_from_params",
+    "estimate_clock_offset",
+    "from_vllm_block_hashes",
+    "parse_handle",
+    "transfer_cost_inputs",
+]
