@@ -384,7 +384,7 @@ def test_build_info():
     assert info["version"] == kvshuttle.__version__
     assert info["native"] is True
     assert info["num_threads"] >= 1
-    native = kvshuttle.ops._native
+    native = kvshuttle.core.ops._native
     assert info["cuda"] is bool(native.build_info().cuda)
     assert isinstance(info["cuda_archs"], list)
     if info["cuda"]:
