@@ -7,6 +7,7 @@ chunk or owner job behind.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -52,7 +53,7 @@ OWNERS = {
     "leased": OwnerSpec(GEO, 14, {**BASE_CONFIG, "staging_chunks": 2, "staging_lease_s": 0.5}),
 }
 NAMES = list(OWNERS)
-READER_CONFIG = {**BASE_CONFIG, "peer_timeout_s": 0.5}
+READER_CONFIG = BASE_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -358,3 +359,63 @@ def test_thousand_transfers_leak_no_handles_or_memory(owner: OwnerProcess,
     assert_clean(engine, owner)
     got = owner.call("notifs", wait=2.0, at_least=1200)[NAMES.index("normal")]
     assert len(got) >= 1200  # every transfer notified the owner
+
+
+# ------------------------------------------------------------------------------ handles that cannot leak
+def eventually_clean(engine: TransferEngine, owner: OwnerProcess) -> None:
+    """assert_clean, after giving a stopped pipeline thread its last poll (50 ms) to hand everything back."""
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            assert_clean(engine, owner)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("path", ["direct", "packed"])
+def test_dropped_pending_reads_leave_nothing_behind(owner: OwnerProcess, reader: tuple[TransferEngine, Any],
+                                                    path: str) -> None:
+    engine, _ = reader
+    peer = engine.connect(address(owner, "slow"))
+    owner.call("notifs")  # drop older tests' notifications
+    states = []
+    for start in (0, 12):
+        handle = engine.read(peer, np.arange(start, start + 12), np.arange(12), path=path)
+        states.append(handle.state)
+        del handle  # dropped without wait(), cancel() or release()
+    gc.collect()
+    eventually_clean(engine, owner)
+    if path == "packed":  # stopped by the finalizer, not left to finish: the owner heard of no completion
+        assert states == [TransferState.PENDING] * 2
+        assert owner.call("notifs", wait=1.0)[NAMES.index("slow")] == []
+
+
+def test_release_and_with_blocks_free_a_pending_read(owner: OwnerProcess, reader: tuple[TransferEngine, Any]) -> None:
+    engine, _ = reader
+    peer = engine.connect(address(owner, "slow"))
+    handle = engine.read(peer, np.arange(12), np.arange(12), path="packed")
+    assert handle.state is TransferState.PENDING
+    handle.release()
+    assert handle.state is TransferState.CANCELLED
+    assert engine.stats()["staging_free"] == engine.stats()["staging_chunks"]  # at once, on this side
+    handle.release()  # idempotent
+    with engine.read(peer, np.arange(12), np.arange(12), path="packed") as pending:
+        assert pending.state is TransferState.PENDING
+    assert pending.state is TransferState.CANCELLED
+    with engine.read(peer, [1, 2], [3, 4], path="direct") as done:
+        done.wait(10)
+    assert done.state is TransferState.DONE  # release() after the end changes nothing
+    eventually_clean(engine, owner)
+
+
+def test_nixl_object_kinds_are_distinct_types(reader: tuple[TransferEngine, Any]) -> None:
+    from kvshuttle.transfer._nixl import NixlDescList, NixlRegistration, NixlXfer
+
+    engine, _ = reader
+    registration = engine._registrations[0]
+    assert type(registration) is NixlRegistration
+    assert len({NixlRegistration, NixlDescList, NixlXfer}) == 3
+    assert not issubclass(NixlXfer, NixlRegistration) and not issubclass(NixlDescList, NixlXfer)

@@ -13,7 +13,7 @@ pytest.importorskip("msgpack")
 pytest.importorskip("zmq")
 
 from conftest import Geo, make_cache
-from kvshuttle import BlockIdError, KVShuttleError, StagingError, StagingLayout, TokenOrder
+from kvshuttle import BlockIdError, CacheGeometry, KVShuttleError, StagingError, StagingLayout, TokenOrder
 from kvshuttle.core.blocks import check_ids
 from kvshuttle.core.plan import SideGeometry
 from kvshuttle.transfer import (
@@ -27,7 +27,6 @@ from kvshuttle.transfer import (
 )
 from kvshuttle.transfer.staging import StagingPool, chunk_tokens, plan_chunks
 from kvshuttle.transfer.wire import (
-    CacheInfo,
     PeerInfo,
     StagingInfo,
     check_compatible,
@@ -40,8 +39,8 @@ GEO = Geo(kind="flash_attn", order="NHD", dtype="float16", num_layers=2, num_blo
           num_heads=4, head_size=32)
 
 
-def info(geo: Geo) -> CacheInfo:
-    return CacheInfo.from_geometry(make_cache(np.random.default_rng(0), geo).cache().geometry, "DRAM")
+def info(geo: Geo) -> CacheGeometry:
+    return make_cache(np.random.default_rng(0), geo).cache().geometry
 
 
 @pytest.mark.parametrize("local_bs, remote_bs, staging_bs", [(16, 16, 16), (16, 32, 16), (32, 16, 32),
@@ -73,7 +72,8 @@ def test_chunk_too_small_for_one_aligned_unit() -> None:
 
 def test_wire_round_trip_and_protocol_errors() -> None:
     cache = make_cache(np.random.default_rng(0), GEO).cache()
-    peer = PeerInfo("agent-x", b"\x00md", SideGeometry.from_cache(cache), info(GEO), StagingInfo(1 << 20, 4))
+    peer = PeerInfo("agent-x", b"\x00md", SideGeometry.from_cache(cache), info(GEO), "DRAM",
+                    StagingInfo(1 << 20, 4))
     back = PeerInfo.from_wire(decode(encode(peer.to_wire())))
     assert back == peer
     with pytest.raises(ProtocolError, match="op"):

@@ -1,12 +1,14 @@
 """kvshuttle.transfer: read paged KV blocks from a peer over NIXL (direct or packed), with a side channel.
 
-See :mod:`kvshuttle.transfer.engine` for the owner/reader walk-through.
+See :mod:`kvshuttle.transfer.engine` for the owner/reader walk-through and
+:class:`~kvshuttle.transfer.EngineConfig` for the timeouts that bound failure detection.
 """
 
 from __future__ import annotations
 
 from .claims import ClaimAuthority, ClaimRefusedError, ClaimTicket
-from .engine import EngineConfig, Peer, ReadNotice, TransferEngine
+from .config import EngineConfig
+from .engine import TransferEngine
 from .errors import (
     BlockRangeError,
     IncompatiblePeerError,
@@ -18,10 +20,14 @@ from .errors import (
     SideChannelError,
     StagingExhaustedError,
     StagingTooSmallError,
+    TransferArgumentError,
     TransferCancelledError,
     TransferError,
     TransferTimeoutError,
 )
+from .owner import OwnerRole, ReadNotice
+from .peer import Peer
+from .reader import ReaderRole
 from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
 __all__ = [
@@ -32,15 +38,18 @@ __all__ = [
     "EngineConfig",
     "IncompatiblePeerError",
     "NixlUnavailableError",
+    "OwnerRole",
     "Peer",
     "PeerLostError",
     "PeerUnreachableError",
     "ProtocolError",
     "ReadNotice",
+    "ReaderRole",
     "RemoteError",
     "SideChannelError",
     "StagingExhaustedError",
     "StagingTooSmallError",
+    "TransferArgumentError",
     "TransferCancelledError",
     "TransferEngine",
     "TransferError",

@@ -83,18 +83,31 @@ def _make_agent(name: str, config: Any, delay_us: int) -> Any:
             api.nixlBind = real
 
 
-@dataclass
-class _Handle:
-    """An opaque NIXL object and whether it has been released."""
+@dataclass(eq=False)
+class _NixlObject:
+    """An opaque NIXL object and whether it has been released (compared by identity)."""
 
     raw: Any
-    kind: str
     released: bool = False
 
 
-XferHandle = _Handle
-DlistHandle = _Handle
-RegHandle = _Handle
+class NixlRegistration(_NixlObject):
+    """Registered memory (``register_memory``)."""
+
+
+class NixlDescList(_NixlObject):
+    """A prepared descriptor list (``prep_xfer_dlist``)."""
+
+
+class NixlXfer(_NixlObject):
+    """A transfer request (``initialize_xfer`` / ``make_prepped_xfer``)."""
+
+
+def mem_type_of(device: str) -> tuple[MemType, int]:
+    """NIXL memory type and device id of memory on ``device`` ("cpu", "cuda", "cuda:3")."""
+    if device.startswith("cuda"):
+        return "VRAM", int(device.partition(":")[2] or 0)
+    return "DRAM", 0
 
 
 @dataclass(frozen=True)
@@ -138,13 +151,28 @@ class NixlAgent:
             raise NixlUnavailableError("no NIXL backend configured; pass backends=('UCX',)")
         self.backends = tuple(backends)
         self._live = {"registration": 0, "dlist": 0, "xfer": 0}
-        self._stuck: list[_Handle] = []
+        self._stuck: list[NixlXfer] = []
+        self._orphans: list[NixlXfer] = []  # dropped by finalizers; released on the next call here
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """Live registrations, prepared lists and transfer handles (stuck ones included)."""
+        self.reap()
         with self._lock:
             return {**self._live, "stuck_xfer": len(self._stuck)}
+
+    def release_later(self, handle: NixlXfer) -> None:
+        """Queue a transfer request for release by the next call on this agent.
+
+        For finalizers: they run at any point of any thread, so they must not call into NIXL themselves
+        (``list.append`` is atomic, no lock taken).
+        """
+        self._orphans.append(handle)
+
+    def reap(self) -> None:
+        """Release what finalizers queued."""
+        while self._orphans:
+            self.release(self._orphans.pop())
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -154,14 +182,14 @@ class NixlAgent:
                 raise NixlCallError(what, exc) from exc
 
     # -- memory --------------------------------------------------------------------------------------------
-    def register(self, regions: Sequence[tuple[int, int]], mem_type: MemType, device_id: int) -> RegHandle:
+    def register(self, regions: Sequence[tuple[int, int]], mem_type: MemType, device_id: int) -> NixlRegistration:
         descs = [(int(addr), int(size), int(device_id), "") for addr, size in regions]
         raw = self._call("register_memory", self._agent.register_memory, descs, mem_type)
         with self._lock:
             self._live["registration"] += 1
-        return _Handle(raw, "registration")
+        return NixlRegistration(raw)
 
-    def deregister(self, handle: RegHandle) -> None:
+    def deregister(self, handle: NixlRegistration) -> None:
         if handle.released:
             return
         self._call("deregister_memory", self._agent.deregister_memory, handle.raw)
@@ -185,15 +213,15 @@ class NixlAgent:
         self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
 
     # -- descriptor lists ----------------------------------------------------------------------------------
-    def prep_dlist(self, remote: str | None, descs: Descriptors, mem_type: MemType) -> DlistHandle:
+    def prep_dlist(self, remote: str | None, descs: Descriptors, mem_type: MemType) -> NixlDescList:
         """Prepare a list once; ``remote=None`` for the local side."""
         raw = self._call("prep_xfer_dlist", self._agent.prep_xfer_dlist, remote or "NIXL_INIT_AGENT",
                          np.ascontiguousarray(descs, dtype=np.uint64), mem_type)
         with self._lock:
             self._live["dlist"] += 1
-        return _Handle(raw, "dlist")
+        return NixlDescList(raw)
 
-    def release_dlist(self, handle: DlistHandle) -> None:
+    def release_dlist(self, handle: NixlDescList) -> None:
         if handle.released:
             return
         self._call("release_dlist_handle", self._agent.release_dlist_handle, handle.raw)
@@ -203,8 +231,9 @@ class NixlAgent:
 
     # -- transfers -----------------------------------------------------------------------------------------
     def make_xfer(self, local: Descriptors, local_mem: MemType, remote: Descriptors, remote_mem: MemType,
-                  remote_agent: str, notif: bytes = b"") -> XferHandle:
+                  remote_agent: str, notif: bytes = b"") -> NixlXfer:
         """One READ request from explicit (addr, len, dev) rows (``initialize_xfer``: no NIXL merging)."""
+        self.reap()
         with self._lock:
             ldescs = self._call("get_xfer_descs", self._agent.get_xfer_descs,
                                 np.ascontiguousarray(local, dtype=np.uint64), local_mem)
@@ -213,34 +242,34 @@ class NixlAgent:
             raw = self._call("initialize_xfer", self._agent.initialize_xfer, "READ", ldescs, rdescs,
                              remote_agent, notif)
             self._live["xfer"] += 1
-        return _Handle(raw, "xfer")
+        return NixlXfer(raw)
 
-    def make_prepped_xfer(self, local: DlistHandle, local_idx: npt.NDArray[np.int32], remote: DlistHandle,
-                          remote_idx: npt.NDArray[np.int32], notif: bytes = b"") -> XferHandle:
+    def make_prepped_xfer(self, local: NixlDescList, local_idx: npt.NDArray[np.int32], remote: NixlDescList,
+                          remote_idx: npt.NDArray[np.int32], notif: bytes = b"") -> NixlXfer:
         """One READ request by index into prepared lists (NIXL merges runs contiguous on both sides)."""
         with self._lock:
             raw = self._call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ", local.raw,
                              np.ascontiguousarray(local_idx, dtype=np.int32), remote.raw,
                              np.ascontiguousarray(remote_idx, dtype=np.int32), notif)
             self._live["xfer"] += 1
-        return _Handle(raw, "xfer")
+        return NixlXfer(raw)
 
-    def post(self, handle: XferHandle) -> XferState:
+    def post(self, handle: NixlXfer) -> XferState:
         state: XferState = self._call("transfer", self._agent.transfer, handle.raw)
         return state
 
-    def state(self, handle: XferHandle) -> XferState:
+    def state(self, handle: NixlXfer) -> XferState:
         state: XferState = self._call("check_xfer_state", self._agent.check_xfer_state, handle.raw)
         return state
 
-    def telemetry(self, handle: XferHandle) -> XferTelemetry | None:
+    def telemetry(self, handle: NixlXfer) -> XferTelemetry | None:
         try:
             t = self._call("get_xfer_telemetry", self._agent.get_xfer_telemetry, handle.raw)
         except NixlCallError:
             return None
         return XferTelemetry(int(t.postDuration), int(t.xferDuration), int(t.totalBytes), int(t.descCount))
 
-    def release(self, handle: XferHandle) -> bool:
+    def release(self, handle: NixlXfer) -> bool:
         """Release (cancelling if still active). False when NIXL refused: the handle is retried later."""
         with self._lock:
             if handle.released:
@@ -259,6 +288,7 @@ class NixlAgent:
 
     def retry_stuck(self) -> int:
         """Try again to release handles NIXL could not cancel; returns how many are still stuck."""
+        self.reap()
         with self._lock:
             for handle in list(self._stuck):
                 self.release(handle)

@@ -11,13 +11,15 @@ Two ways to build the request (``EngineConfig.direct_mode``):
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from ..core.plan import ReadPlan, SideGeometry
-from ._nixl import DlistHandle, MemType, NixlAgent, NixlCallError, XferHandle
+from ._nixl import MemType, NixlAgent, NixlCallError, NixlDescList, NixlXfer
 from .errors import PeerLostError, TransferError, TransferTimeoutError
 from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
@@ -43,7 +45,7 @@ def piece_indices(side: SideGeometry, ids: npt.NDArray[np.int64]) -> npt.NDArray
 class DirectRequest:
     """A READ ready to post, with what telemetry needs."""
 
-    xfer: XferHandle
+    xfer: NixlXfer
     bytes: int
     descriptors: int
     pieces: int
@@ -55,8 +57,8 @@ def build_initialize(agent: NixlAgent, plan: ReadPlan, local_mem: MemType, remot
     return DirectRequest(xfer, plan.total_bytes, plan.num_descriptors, plan.num_pieces)
 
 
-def build_prepped(agent: NixlAgent, local_side: SideGeometry, local_dlist: DlistHandle,
-                  local_ids: npt.NDArray[np.int64], remote_side: SideGeometry, remote_dlist: DlistHandle,
+def build_prepped(agent: NixlAgent, local_side: SideGeometry, local_dlist: NixlDescList,
+                  local_ids: npt.NDArray[np.int64], remote_side: SideGeometry, remote_dlist: NixlDescList,
                   remote_ids: npt.NDArray[np.int64], notif: bytes) -> DirectRequest:
     if local_ids.size > 1 and np.any(local_ids[1:] < local_ids[:-1]):
         order = np.argsort(local_ids, kind="stable")  # ascending local ids let NIXL merge the most
@@ -68,20 +70,23 @@ def build_prepped(agent: NixlAgent, local_side: SideGeometry, local_dlist: Dlist
 
 
 class DirectTransfer(TransferHandle):
-    """A posted direct READ. Completion is checked on ``poll()``; the NIXL handle is always released."""
+    """A posted direct READ. Completion is checked on ``poll()``; the NIXL request is always released: when
+    the read ends, on ``release()``, or (queued to the agent) when the caller drops a pending handle."""
 
     def __init__(self, transfer_id: str, reason: str, local_ids: npt.NDArray[np.int64], agent: NixlAgent,
                  peer_name: str, request: DirectRequest, prep_time: float, deadline: float,
-                 started: float) -> None:
+                 started: float, peer_lost: Callable[[], str | None]) -> None:
         super().__init__(transfer_id, "direct", reason, local_ids)
         self.started = started
         self._agent = agent
         self._peer_name = peer_name
+        self._peer_lost = peer_lost
         self._request = request
         self._prep_time = prep_time
         self._deadline = deadline
         self._post_time = 0.0
-        self._xfer: XferHandle | None = request.xfer
+        self._xfer: NixlXfer | None = request.xfer
+        self._finalizer = weakref.finalize(self, agent.release_later, request.xfer)
         self._post()
 
     def _post(self) -> None:
@@ -110,6 +115,10 @@ class DirectTransfer(TransferHandle):
         except NixlCallError as exc:
             self._fail(exc)
             return
+        lost = self._peer_lost() if state == "PROC" else None
+        if lost is not None:  # UCX may wait long for a dead peer; the side channel knows at once
+            self._fail(None, lost)
+            return
         self._settle(state)
 
     def _wait_step(self, timeout: float) -> None:
@@ -133,12 +142,12 @@ class DirectTransfer(TransferHandle):
             nixl_descriptors=None if nixl is None else nixl.descriptors,
         ))
 
-    def _fail(self, exc: NixlCallError | None) -> None:
+    def _fail(self, exc: NixlCallError | None, lost: str | None = None) -> None:
         self._release()
         if exc is None or exc.disconnected:
+            detail = f" ({exc.nixl_error})" if exc else f" ({lost})" if lost else " (state ERR)"
             error: TransferError = PeerLostError(
-                f"direct transfer {self.transfer_id}: the NIXL READ from {self._peer_name} failed"
-                + (f" ({exc.nixl_error})" if exc else " (state ERR)")
+                f"direct transfer {self.transfer_id}: the NIXL READ from {self._peer_name} failed{detail}"
                 + "; the peer is gone or disconnected: recompute the listed blocks", self.local_block_ids)
         else:
             error = TransferError(f"direct transfer {self.transfer_id}: {exc}; recompute the listed blocks",
@@ -147,7 +156,8 @@ class DirectTransfer(TransferHandle):
 
     def _release(self) -> None:
         if self._xfer is not None:
-            self._agent.release(self._xfer)  # a handle NIXL cannot cancel yet is retried by the agent
+            self._finalizer.detach()
+            self._agent.release(self._xfer)  # a request NIXL cannot cancel yet is retried by the agent
             self._xfer = None
 
     def _stop(self) -> None:

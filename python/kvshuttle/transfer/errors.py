@@ -36,8 +36,12 @@ class SideChannelError(TransferError, OSError):
     """The side channel could not bind its address (port in use?); pass port=0 to pick a free port."""
 
 
+class TransferArgumentError(TransferError, ValueError):
+    """An argument to the engine is malformed (address, path, token or head count, timeout): fix the call."""
+
+
 class PeerUnreachableError(TransferError):
-    """Nothing answered on the peer's side channel within the connect timeout."""
+    """Nothing answers on the peer's side channel (connection refused, or no answer within the timeout)."""
 
 
 class IncompatiblePeerError(TransferError):
@@ -45,7 +49,10 @@ class IncompatiblePeerError(TransferError):
 
 
 class PeerLostError(TransferError):
-    """The peer stopped answering or its NIXL agent disconnected during a transfer."""
+    """The peer's connection dropped (process gone), its heartbeat stopped, or its NIXL agent disconnected.
+
+    A lost peer stays lost: call ``engine.connect(address)`` again to reach an owner that came back.
+    """
 
 
 class TransferTimeoutError(TransferError, TimeoutError):

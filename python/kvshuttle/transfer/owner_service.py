@@ -159,7 +159,7 @@ class OwnerService:
         for job in jobs:
             job.thread.join(timeout)
 
-    def handle(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any] | None:
+    def answer(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any] | None:
         op = message["op"]
         if op == "hello":
             return self._info().to_wire()

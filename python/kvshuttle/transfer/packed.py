@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from .errors import (
 )
 from .side_channel import Connection, ConnectionLender
 from .staging import Chunk, StagingPool, layout_to_wire
-from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
+from .transfer_handle import Outcome, TransferHandle, TransferState, TransferTelemetry
 from .wire import NOTIF_PREFIX
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,6 @@ class PackedSetup:
     depth: int
     notify: bytes
     deadline: float
-    peer_timeout_s: float
     prep_time: float
     reason: str
 
@@ -83,40 +83,73 @@ class _Stopped(Exception):
 
 
 class PackedTransfer(TransferHandle):
+    """The caller's handle on a packed read; the work happens in a :class:`_Pipeline` thread.
+
+    The thread holds the pipeline, never this handle, so a handle the caller drops is collected and its
+    finalizer stops the pipeline, which frees staging and aborts the owner's job.
+    """
+
     def __init__(self, transfer_id: str, setup: PackedSetup, started: float) -> None:
         super().__init__(transfer_id, "packed", setup.reason, setup.local_ids)
         self.started = started
+        self._pipeline = _Pipeline(transfer_id, setup, started, self._outcome)
+        self._finalizer = weakref.finalize(self, self._pipeline.stop_flag.set)
+        self._pipeline.start()
+
+    def _stop(self) -> None:
+        self._pipeline.stop()
+
+    def _invalid_ids(self) -> tuple[int, ...]:
+        return () if self.state is TransferState.DONE else self._pipeline.invalid_ids()
+
+    @property
+    def chunks_done(self) -> int:
+        return self._pipeline.chunks_done
+
+
+class _Pipeline:
+    """One packed read: borrow a side-channel connection, ask the owner to pack, READ and unpack each chunk."""
+
+    def __init__(self, transfer_id: str, setup: PackedSetup, started: float, outcome: Outcome) -> None:
+        self.transfer_id = transfer_id
+        self.started = started
+        self.reason = setup.reason
+        self.stop_flag = threading.Event()
         self._s = setup
+        self._outcome = outcome
         self._done_chunks: set[int] = set()
         self._done_lock = threading.Lock()
-        self._stop_flag = threading.Event()
         self._slots = setup.pool.reserve(setup.depth, "reader")
         self._posts = 0.0
         self._unpack_time = 0.0
         self._owner_pack_time = 0.0
-        self._conn: Connection = setup.peer.checkout(setup.context)
+        try:
+            self._conn: Connection = setup.peer.checkout(setup.context)
+        except TransferError as exc:
+            setup.pool.release(self._slots)
+            raise type(exc)(str(exc), setup.local_ids) from None
         try:  # ask from the caller's thread: the owner starts packing while our thread starts
             self._conn.send({"op": "pack", "tid": transfer_id, "ids": setup.remote_ids.tolist(),
                              "num_tokens": setup.num_tokens, "layout": layout_to_wire(setup.layout),
                              "head_offset": setup.remote_head_offset, "chunk_tokens": setup.chunk_tokens,
                              "window": setup.depth})
-        except zmq.ZMQError as exc:
+        except PeerLostError as exc:
             setup.pool.release(self._slots)
             setup.peer.checkin(self._conn, False)
+            setup.peer.mark_lost(str(exc))
             raise PeerLostError(f"cannot send the pack request to {setup.address}: {exc}",
                                 setup.local_ids) from exc
         self._thread = threading.Thread(target=self._run, name=f"kvshuttle-read-{transfer_id}", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
-    # -- handle protocol ------------------------------------------------------------------------------------
-    def _stop(self) -> None:
-        self._stop_flag.set()
-        if threading.current_thread() is not self._thread:
+    def stop(self) -> None:
+        self.stop_flag.set()
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._thread.join()
 
-    def _invalid_ids(self) -> tuple[int, ...]:
-        if self._state is TransferState.DONE:
-            return ()
+    def invalid_ids(self) -> tuple[int, ...]:
         with self._done_lock:
             done = set(self._done_chunks)
         ids = self._s.local_ids
@@ -137,7 +170,6 @@ class PackedTransfer(TransferHandle):
         error: TransferError | None = None
         finished, healthy = False, True
         try:
-            heard, ping_sent = time.monotonic(), 0.0
             while True:
                 self._check_stop()
                 self._reap(unpacking, free, block=False)
@@ -149,18 +181,11 @@ class PackedTransfer(TransferHandle):
                 if ready or (unpacking and len(self._done_chunks) + len(unpacking) == len(s.chunks)):
                     self._reap(unpacking, free, block=True)
                     continue
-                message = conn.receive(0.05)
-                now = time.monotonic()
-                if message is None:
-                    if ping_sent and now - ping_sent > s.peer_timeout_s:
-                        raise PeerLostError(f"owner at {s.address} stopped answering (no reply to a ping "
-                                            f"within {s.peer_timeout_s:.1f} s)")
-                    if not ping_sent and now - heard > s.peer_timeout_s:
-                        conn.send({"op": "ping"})
-                        ping_sent = now
-                    continue
-                heard, ping_sent = now, 0.0
-                self._on_message(message, ready)
+                # The connection raises PeerLostError as soon as the owner's process is gone or its
+                # heartbeat stops (EngineConfig.peer_timeout_s).
+                message = conn.receive(0.05, f"packed transfer {self.transfer_id}")
+                if message is not None:
+                    self._on_message(message, ready)
             finished = True  # every block is in place; a lost notification does not change that
             try:
                 s.agent.send_notif(s.peer_agent, NOTIF_PREFIX + self.transfer_id.encode() + b":" + s.notify)
@@ -168,7 +193,10 @@ class PackedTransfer(TransferHandle):
                 log.warning("kvshuttle: completion notification for %s not delivered: %s", self.transfer_id, exc)
         except _Stopped:
             pass
-        except (PeerLostError, ProtocolError) as exc:
+        except PeerLostError as exc:
+            error, healthy = exc, False
+            s.peer.mark_lost(str(exc))
+        except ProtocolError as exc:
             error, healthy = exc, False
         except TransferError as exc:
             error = exc
@@ -176,20 +204,22 @@ class PackedTransfer(TransferHandle):
             error = (PeerLostError if exc.disconnected else TransferError)(
                 f"packed transfer {self.transfer_id}: {exc}")
             healthy = not exc.disconnected
+            if exc.disconnected:
+                s.peer.mark_lost(str(exc))
         except Exception as exc:  # a bug or an unpack failure: report it as this transfer's failure
             error = TransferError(f"packed transfer {self.transfer_id} failed: {type(exc).__name__}: {exc}")
             healthy = False
         finally:
             self._cleanup(conn, unpacking, free, send_abort=not finished, healthy=healthy)
         if finished:
-            self._finish(TransferState.DONE, telemetry=self._telemetry_record())
+            self._outcome.finish(TransferState.DONE, telemetry=self._telemetry_record())
         elif error is not None:
             kind = type(error)
-            self._finish(TransferState.FAILED, error=kind(
-                f"{error.args[0] if error.args else error}; recompute the listed blocks", self._invalid_ids()))
+            self._outcome.finish(TransferState.FAILED, error=kind(
+                f"{error.args[0] if error.args else error}; recompute the listed blocks", self.invalid_ids()))
 
     def _check_stop(self) -> None:
-        if self._stop_flag.is_set():
+        if self.stop_flag.is_set():
             raise _Stopped
         if time.monotonic() > self._s.deadline:
             raise TransferTimeoutError(f"packed transfer {self.transfer_id} passed its deadline "
@@ -223,6 +253,9 @@ class PackedTransfer(TransferHandle):
             state = s.agent.post(xfer)
             while state == "PROC":
                 self._check_stop()
+                lost = conn.watch()  # UCX may wait long for a dead peer; the side channel knows at once
+                if lost is not None:
+                    raise PeerLostError(f"{lost} during the NIXL READ of chunk {chunk.index}")
                 state = s.agent.state(xfer)
             self._posts += time.perf_counter() - t0
             if state != "DONE":
@@ -263,7 +296,7 @@ class PackedTransfer(TransferHandle):
         if send_abort:
             try:
                 conn.send({"op": "abort", "tid": self.transfer_id})
-            except zmq.ZMQError:
+            except PeerLostError:
                 healthy = False
         self._s.peer.checkin(conn, healthy)
         self._s.pool.release(self._slots)

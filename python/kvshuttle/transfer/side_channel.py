@@ -8,6 +8,7 @@ messages to the server thread over an ``inproc`` PUSH/PULL pair.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from .errors import PeerUnreachableError, ProtocolError
+from .errors import PeerLostError, PeerUnreachableError, ProtocolError, TransferArgumentError
 from .wire import decode, encode
 
 log = logging.getLogger(__name__)
@@ -125,37 +127,120 @@ class Emitter:
         self._socket.close()
 
 
-class Connection:
-    """A DEALER socket to one owner, used by one thread: requests with timeouts, and a message stream."""
+def parse_address(address: object) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); TransferArgumentError for anything else."""
+    if not isinstance(address, str) or not address.startswith("tcp://"):
+        raise TransferArgumentError(f"a side-channel address is 'tcp://host:port', got {address!r}")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferArgumentError(f"a side-channel address is 'tcp://host:port' with a port in 1..65535, "
+                                    f"got {address!r}")
+    return host, int(port)
 
-    def __init__(self, context: zmq.Context[Any], address: str) -> None:
+
+_WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+
+
+class Connection:
+    """A DEALER socket to one owner, used by one thread: requests with timeouts, and a message stream.
+
+    The connection watches itself: a ZMQ monitor reports the TCP connection dropping (the owner's process
+    died: the kernel closed its sockets) and ZMTP heartbeats (every ``heartbeat_s``, ``peer_timeout_s`` of
+    silence closes the connection) catch an owner that is alive but frozen or cut off. Either makes every
+    wait on this connection raise :class:`PeerLostError` at once; a refused connection before the first
+    handshake raises :class:`PeerUnreachableError` at once instead of waiting for a timeout.
+    """
+
+    def __init__(self, context: zmq.Context[Any], address: str, *, heartbeat_s: float = 0.5,
+                 peer_timeout_s: float = 1.0) -> None:
+        parse_address(address)
         self.address = address
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 0)
-        self._socket.connect(address)
+        # at least three pings per timeout, so one late pong on a busy host does not drop a live peer
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(min(heartbeat_s, peer_timeout_s / 3) * 1000)))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(peer_timeout_s * 1000)))
+        self._socket.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(peer_timeout_s * 1000)))
+        # heartbeats start after the ZMTP handshake; a peer frozen before it would otherwise get 30 s
+        self._socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(peer_timeout_s * 1000)))
+        self._monitor = self._socket.get_monitor_socket(_WATCHED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        try:
+            self._socket.connect(address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise TransferArgumentError(f"cannot connect to {address!r}: {exc}") from exc
         self._rid = itertools.count(1)
         self.backlog: list[dict[str, Any]] = []  # messages received while waiting for a reply
+        self.ever_connected = False
+        self.refused = False  # a connection attempt was refused before any succeeded
+        self.lost: str | None = None  # why the connection is gone, once it is
 
+    # -- liveness -------------------------------------------------------------------------------------------
+    def watch(self) -> str | None:
+        """Drain the monitor without blocking; returns why the connection is lost, or None."""
+        while self.lost is None:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                break
+            if event == zmq.EVENT_CONNECTED:
+                self.ever_connected = True
+            elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
+                self.refused = True
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and self.ever_connected:
+                self.lost = (f"the connection to {self.address} dropped (owner process gone, or no heartbeat "
+                             "answer within peer_timeout_s)")
+        return self.lost
+
+    def _raise_if_dead(self, what: str) -> None:
+        if self.watch() is not None:
+            raise PeerLostError(f"{self.lost} while waiting for {what}; reconnect with engine.connect(address)")
+        if self.refused:
+            raise PeerUnreachableError(f"{self.address} refused the connection while waiting for {what}: is the "
+                                       "owner running and serving (engine.serve()) on that host and port?")
+
+    def _wait(self, timeout: float, what: str) -> bool:
+        """Wait up to ``timeout`` for a message; False on timeout; raises as soon as the peer is gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_dead(what)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready = dict(self._poller.poll(max(1, int(left * 1000) + 1)))
+            if self._socket in ready:
+                return True
+
+    # -- messages -------------------------------------------------------------------------------------------
     def send(self, message: dict[str, Any]) -> None:
-        self._socket.send(encode(message), zmq.NOBLOCK)
+        try:
+            self._socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a full queue to a peer that stopped reading, or a closed socket
+            raise PeerLostError(f"cannot send to {self.address}: {exc}") from exc
 
-    def receive(self, timeout: float) -> dict[str, Any] | None:
-        """The next message (backlog first), or None after ``timeout`` seconds."""
+    def receive(self, timeout: float, what: str = "a message") -> dict[str, Any] | None:
+        """The next message (backlog first), or None after ``timeout`` seconds; PeerLostError when gone."""
         if self.backlog:
             return self.backlog.pop(0)
-        if self._socket.poll(max(0, int(timeout * 1000))) == 0:
+        if not self._wait(timeout, what):
             return None
         return decode(self._socket.recv())
 
     def request(self, message: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
-        """Send and wait for the reply with the same request id; PeerUnreachableError after timeout."""
+        """Send and wait for the reply with the same request id.
+
+        PeerUnreachableError when nothing answered within ``timeout`` (or the connection was refused),
+        PeerLostError when an established connection dropped meanwhile.
+        """
         rid = next(self._rid)
         self.send({**message, "rid": rid})
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._socket.poll(int(left * 1000) + 1) == 0:
+            if not self._wait(deadline - time.monotonic(), what):
                 raise PeerUnreachableError(
                     f"no answer to {what} from {self.address} within {timeout:.1f} s: is the owner running "
                     "and serving (engine.serve()) on that host and port?"
@@ -166,12 +251,17 @@ class Connection:
             self.backlog.append(reply)
 
     def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._socket.disable_monitor()
+        self._monitor.close(0)
         self._socket.close(0)
 
 
 class ConnectionLender(Protocol):
-    """Lends idle connections to one owner (``engine.Peer``) so packed reads skip the TCP set-up."""
+    """Lends idle connections to one owner (``transfer.Peer``) so packed reads skip the TCP set-up."""
 
     def checkout(self, context: zmq.Context[Any]) -> Connection: ...
 
     def checkin(self, conn: Connection, healthy: bool) -> None: ...
+
+    def mark_lost(self, reason: str) -> None: ...

@@ -56,12 +56,39 @@ class TransferTelemetry:
         return {**asdict(self), "bytes_per_descriptor": self.bytes_per_descriptor, "gbps": self.gbps}
 
 
+class Outcome:
+    """How a transfer ended, set once by whoever finishes it (the caller's thread or a pipeline thread).
+
+    Kept apart from :class:`TransferHandle` so a pipeline thread never holds the handle: a handle the
+    caller drops can be collected, and its finalizer stops the pipeline.
+    """
+
+    def __init__(self) -> None:
+        self.state = TransferState.PENDING
+        self.error: TransferError | None = None
+        self.telemetry: TransferTelemetry | None = None
+        self.finished = threading.Event()
+        self._lock = threading.Lock()
+
+    def finish(self, state: TransferState, telemetry: TransferTelemetry | None = None,
+               error: TransferError | None = None) -> bool:
+        """Record the end; False (and no change) when it already ended."""
+        with self._lock:
+            if self.state is not TransferState.PENDING:
+                return False
+            self.telemetry, self.error, self.state = telemetry, error, state
+        self.finished.set()
+        return True
+
+
 class TransferHandle:
-    """An asynchronous read into the local cache.
+    """An asynchronous read into the local cache (a *transfer handle*; not a NIXL handle, not a KV handle).
 
     ``poll()`` never blocks; ``wait(timeout)`` blocks and returns the telemetry or raises the transfer's
     named error (on its own timeout it cancels the transfer and raises TransferTimeoutError);
-    ``cancel()`` stops it. After a failure, ``invalid_block_ids`` lists the local blocks to recompute.
+    ``cancel()`` stops it; ``release()`` (also on leaving a ``with`` block, and best effort when the handle
+    is garbage-collected) cancels it if still pending and frees everything it holds. After a failure,
+    ``invalid_block_ids`` lists the local blocks to recompute.
     """
 
     def __init__(self, transfer_id: str, path: str, reason: str, local_ids: npt.NDArray[np.int64]) -> None:
@@ -70,11 +97,7 @@ class TransferHandle:
         self.reason = reason
         self.local_block_ids: tuple[int, ...] = tuple(np.asarray(local_ids, dtype=np.int64).tolist())
         self.started = time.perf_counter()
-        self._state = TransferState.PENDING
-        self._error: TransferError | None = None
-        self._telemetry: TransferTelemetry | None = None
-        self._finished = threading.Event()
-        self._state_lock = threading.Lock()
+        self._outcome = Outcome()
 
     # -- for subclasses -------------------------------------------------------------------------------------
     def _progress(self) -> None:
@@ -82,44 +105,40 @@ class TransferHandle:
 
     def _wait_step(self, timeout: float) -> None:
         """Block for at most ``timeout`` seconds waiting for progress."""
-        self._finished.wait(timeout)
+        self._outcome.finished.wait(timeout)
 
     def _stop(self) -> None:
-        """Stop the transfer and free its resources; afterwards ``_finish`` must have been called."""
+        """Stop the transfer and free its resources (idempotent)."""
 
     def _invalid_ids(self) -> tuple[int, ...]:
         """Local blocks without valid data right now (all of them unless the path tracks chunks)."""
-        return () if self._state is TransferState.DONE else self.local_block_ids
+        return () if self.state is TransferState.DONE else self.local_block_ids
 
     def _finish(self, state: TransferState, telemetry: TransferTelemetry | None = None,
                 error: TransferError | None = None) -> None:
-        with self._state_lock:
-            if self._state is not TransferState.PENDING:
-                return
-            self._telemetry, self._error, self._state = telemetry, error, state
-        self._finished.set()
+        self._outcome.finish(state, telemetry, error)
 
     # -- public ---------------------------------------------------------------------------------------------
     @property
     def state(self) -> TransferState:
-        return self._state
+        return self._outcome.state
 
     @property
     def telemetry(self) -> TransferTelemetry | None:
-        return self._telemetry
+        return self._outcome.telemetry
 
     @property
     def error(self) -> TransferError | None:
-        return self._error
+        return self._outcome.error
 
     @property
     def invalid_block_ids(self) -> tuple[int, ...]:
         return self._invalid_ids()
 
     def poll(self) -> TransferState:
-        if self._state is TransferState.PENDING:
+        if self.state is TransferState.PENDING:
             self._progress()
-        return self._state
+        return self.state
 
     def done(self) -> bool:
         return self.poll() is not TransferState.PENDING
@@ -136,16 +155,27 @@ class TransferHandle:
                     self._invalid_after_stop()))
                 break
             self._wait_step(left)
-        if self._error is not None:
-            raise self._error
-        assert self._telemetry is not None
-        return self._telemetry
+        if self.error is not None:
+            raise self.error
+        assert self.telemetry is not None
+        return self.telemetry
 
     def cancel(self) -> None:
         """Cancel the read (no-op when it already finished). ``wait()`` then raises TransferCancelledError."""
-        if self._state is TransferState.PENDING:
+        if self.state is TransferState.PENDING:
             self._stop_with(TransferCancelledError(
                 f"transfer {self.transfer_id} was cancelled", self._invalid_after_stop()))
+
+    def release(self) -> None:
+        """Cancel the read if it is still pending and free what it holds (NIXL request, staging). Idempotent."""
+        self.cancel()
+        self._stop()
+
+    def __enter__(self) -> TransferHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def _invalid_after_stop(self) -> tuple[int, ...]:
         self._stop()
@@ -156,5 +186,5 @@ class TransferHandle:
         self._finish(state, error=error)
 
     def __repr__(self) -> str:
-        return (f"<{type(self).__name__} {self.transfer_id} {self.path} {self._state.value} "
+        return (f"<{type(self).__name__} {self.transfer_id} {self.path} {self.state.value} "
                 f"{len(self.local_block_ids)} blocks>")

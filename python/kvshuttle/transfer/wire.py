@@ -2,7 +2,7 @@
 
 Every message is one msgpack map with an ``"op"`` key. The handshake (``hello``) carries the NIXL agent
 metadata, the planner's :class:`~kvshuttle.plan.SideGeometry` and the cache's logical geometry
-(:class:`CacheInfo`), so the reader can check compatibility before any byte moves.
+(:class:`~kvshuttle.CacheGeometry`), so the reader can check compatibility before any byte moves.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from ..core.layout import CacheGeometry, CacheKind
+from ..core.layout import CacheGeometry, cache_kind, token_order
 from ..core.plan import SideGeometry
+from ..errors import KVShuttleError
+from ._nixl import MemType
 from .errors import IncompatiblePeerError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the handshake carries the whole CacheGeometry and mem_type
 NOTIF_PREFIX = b"kvshuttle:done:"
 
 
@@ -35,43 +37,19 @@ def decode(data: bytes) -> dict[str, Any]:
     return message
 
 
-@dataclass(frozen=True)
-class CacheInfo:
-    """The logical geometry of one side's paged cache (what the compatibility check compares)."""
+def geometry_to_wire(g: CacheGeometry) -> dict[str, Any]:
+    """A cache's geometry as plain msgpack-able values (enums as their strings)."""
+    return {**asdict(g), "kind": g.kind.value, "order": g.order.value}
 
-    kind: str
-    order: str
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_size: int
-    dtype: str
-    itemsize: int
-    mem_type: str  # "DRAM" or "VRAM"
 
-    @classmethod
-    def from_geometry(cls, g: CacheGeometry, mem_type: str) -> CacheInfo:
-        return cls(g.kind.value, g.order.value, g.num_layers, g.num_blocks, g.block_size, g.num_heads,
-                   g.head_size, g.dtype, g.itemsize, mem_type)
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kind == CacheKind.MLA.value
-
-    @property
-    def row_bytes(self) -> int:
-        return self.head_size * self.itemsize
-
-    def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> CacheInfo:
-        try:
-            return cls(**{k: d[k] for k in cls.__dataclass_fields__})
-        except (KeyError, TypeError) as exc:
-            raise ProtocolError(f"peer cache geometry lacks a field ({exc}); upgrade both sides") from exc
+def geometry_from_wire(d: Any) -> CacheGeometry:
+    try:
+        values = {name: d[name] for name in CacheGeometry.__dataclass_fields__}
+        values["kind"], values["order"] = cache_kind(values["kind"]), token_order(values["order"])
+        return CacheGeometry(**values)
+    except (KeyError, TypeError, ValueError, KVShuttleError) as exc:
+        raise ProtocolError(f"peer cache geometry is malformed ({exc}); run the same kvshuttle on both "
+                            "sides") from exc
 
 
 @dataclass(frozen=True)
@@ -94,13 +72,15 @@ class PeerInfo:
     agent_name: str
     metadata: bytes
     side: SideGeometry
-    cache: CacheInfo
+    cache: CacheGeometry
+    mem_type: MemType  # where the peer's cache lives
     staging: StagingInfo
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "op": "hello", "protocol": PROTOCOL_VERSION, "agent": self.agent_name, "metadata": self.metadata,
-            "side": self.side.to_wire(), "cache": self.cache.to_wire(), "staging": self.staging.to_wire(),
+            "side": self.side.to_wire(), "cache": geometry_to_wire(self.cache), "mem_type": self.mem_type,
+            "staging": self.staging.to_wire(),
         }
 
     @classmethod
@@ -114,13 +94,14 @@ class PeerInfo:
             st = d["staging"]
             staging = StagingInfo(int(st["slot_bytes"]), int(st["slots"]), str(st["mem_type"]),
                                   int(st["device_id"]))
+            mem_type: MemType = "VRAM" if d["mem_type"] == "VRAM" else "DRAM"
             return cls(str(d["agent"]), bytes(d["metadata"]), SideGeometry.from_wire(d["side"]),
-                       CacheInfo.from_wire(d["cache"]), staging)
+                       geometry_from_wire(d["cache"]), mem_type, staging)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed handshake from peer ({exc})") from exc
 
 
-def check_compatible(local: CacheInfo, remote: CacheInfo) -> None:
+def check_compatible(local: CacheGeometry, remote: CacheGeometry) -> None:
     """Raise IncompatiblePeerError when no path (direct or packed) can move blocks between the caches."""
     problems = []
     if local.dtype != remote.dtype or local.itemsize != remote.itemsize:
@@ -129,8 +110,8 @@ def check_compatible(local: CacheInfo, remote: CacheInfo) -> None:
         problems.append(f"head size {local.head_size} here vs {remote.head_size} on the peer")
     if local.num_layers != remote.num_layers:
         problems.append(f"{local.num_layers} layers here vs {remote.num_layers} on the peer")
-    if local.is_mla != remote.is_mla:
-        problems.append(f"layout {local.kind} here vs {remote.kind} on the peer (MLA latent vs K/V planes)")
+    if local.planes_per_layer != remote.planes_per_layer:
+        problems.append(f"layout {local.kind.value} here vs {remote.kind.value} on the peer (MLA latent vs K/V planes)")
     if problems:
         raise IncompatiblePeerError(
             "the peer's KV cache is incompatible: " + "; ".join(problems)
@@ -138,11 +119,11 @@ def check_compatible(local: CacheInfo, remote: CacheInfo) -> None:
         )
 
 
-def layout_difference(local: CacheInfo, remote: CacheInfo) -> str | None:
+def layout_difference(local: CacheGeometry, remote: CacheGeometry) -> str | None:
     """Why a byte-for-byte (direct) read cannot work, or None when the pieces are identical."""
     diffs = []
-    if local.order != remote.order and not (local.is_mla or (local.num_heads == remote.num_heads == 1)):
-        diffs.append(f"token order {remote.order} -> {local.order}")
+    if local.order != remote.order and not (local.planes_per_layer == 1 or (local.num_heads == remote.num_heads == 1)):
+        diffs.append(f"token order {remote.order.value} -> {local.order.value}")
     if local.block_size != remote.block_size:
         diffs.append(f"block size {remote.block_size} -> {local.block_size}")
     if local.num_heads != remote.num_heads:

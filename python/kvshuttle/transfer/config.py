@@ -1,0 +1,47 @@
+"""Engine settings, with the reasoning behind each default. Sizes in bytes, times in seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Path = Literal["auto", "direct", "packed"]
+PATHS: tuple[Path, ...] = ("auto", "direct", "packed")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one :class:`~kvshuttle.transfer.TransferEngine` runs.
+
+    Failure detection (the serving path falls back to recompute, so it must learn of a dead peer fast):
+
+    * ``connect_timeout_s``: the handshake and each claim wait at most this long for an answer. A refused
+      connection (nothing listening) fails at once, without waiting.
+    * ``heartbeat_s`` / ``peer_timeout_s``: the side channel exchanges ZMTP heartbeats every ``heartbeat_s``;
+      ``peer_timeout_s`` without an answer closes the connection. A peer whose process died is noticed at
+      once (the kernel closes its sockets), a frozen or cut-off one within ``peer_timeout_s``. Either fails
+      every read, claim and ping to that peer with ``PeerLostError``; later calls to it fail at once.
+    * ``transfer_timeout_s``: the default deadline of one read, for an owner that answers but never finishes.
+    """
+
+    name: str | None = None  # NIXL agent name (default: a fresh unique name)
+    backends: tuple[str, ...] = ("UCX",)  # e.g. ("LIBFABRIC",) on EFA machines
+    num_threads: int = 0  # backend worker threads (0: the backend default)
+    progress_delay_us: int = 10_000  # NIXL progress thread idle wake-up (it also wakes on events); 0: none
+    host: str = "127.0.0.1"  # side-channel bind address (serve)
+    port: int = 0  # side-channel port; 0 picks a free one (see serve())
+    # The registered staging pool: ``staging_chunks`` slots of ``staging_chunk_bytes`` each; one chunk of a
+    # packed read fills one slot. 16 MiB x 4 in flight measured best (benchmarks/README.md).
+    staging_chunk_bytes: int = 16 << 20
+    staging_chunks: int = 8  # slots in the pool (0: no packed path): 2 reads at full depth
+    pipeline_depth: int = 4  # slots one packed read holds on each side
+    # auto path: reads whose descriptors average below this go packed (the measured crossover on the 2-core
+    # reference VM, UCX over CMA: see benchmarks/README.md, "transfer").
+    packed_threshold_bytes: int = 16 << 10
+    direct_mode: Literal["initialize", "prepped"] = "initialize"
+    connect_timeout_s: float = 2.0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 1.0
+    transfer_timeout_s: float = 60.0
+    staging_lease_s: float = 30.0  # owner reclaims a ready chunk not released within this (reader died)
+    debug_pack_delay_s: float = 0.0  # fault injection for tests: sleep after packing each chunk

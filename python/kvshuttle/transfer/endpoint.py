@@ -1,0 +1,133 @@
+"""What an owner and a reader share: one NIXL agent, the registered cache and staging pool, bookkeeping."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from ..core.layout import PagedKVCache
+from ..core.plan import SideGeometry
+from ._nixl import NixlAgent, NixlCallError, NixlDescList, NixlRegistration, mem_type_of
+from .config import EngineConfig
+from .errors import TransferArgumentError, TransferError
+from .staging import StagingPool
+from .transfer_handle import TransferHandle, TransferState
+
+if TYPE_CHECKING:
+    from .owner_service import OwnerService
+    from .peer import Peer
+    from .side_channel import SideChannelServer
+
+log = logging.getLogger(__name__)
+
+
+class Endpoint:
+    """One worker's NIXL agent with its paged cache and staging pool registered; the base of both roles."""
+
+    def __init__(self, cache: PagedKVCache, config: EngineConfig | None = None, *, staging: Any = None) -> None:
+        """Create the agent and register ``cache`` and the staging pool (``staging``: an optional host buffer
+        of ``staging_chunks * staging_chunk_bytes`` bytes to use instead of a new numpy allocation)."""
+        if not isinstance(cache, PagedKVCache):
+            raise TransferArgumentError("pass a PagedKVCache (PagedKVCache.from_arrays(layers, kind))")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TransferArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config = config or EngineConfig()
+        if config.name is None:
+            self.config = config = replace(config, name=f"kvshuttle-{uuid.uuid4().hex[:12]}")
+        assert config.name is not None
+        self.name = config.name
+        self.cache = cache
+        self.mem_type, self.device_id = mem_type_of(cache.geometry.device)
+        self.side = SideGeometry.from_cache(cache, self.device_id)
+        # CUDA pack/unpack are asynchronous and the native module has no stream-sync binding yet, so a
+        # chunk could be announced or reused before its copy ran: device caches use the direct path only.
+        slots = 0 if cache.is_cuda else config.staging_chunks
+        self.pool = StagingPool(config.staging_chunk_bytes, slots, staging if slots else None)
+        self.pool_mem, self.pool_device = mem_type_of(self.pool.view.device)
+        self._agent = NixlAgent(config.name, config.backends, num_threads=config.num_threads,
+                                progress_delay_us=config.progress_delay_us)
+        self._registrations: list[NixlRegistration] = []
+        self._local_dlist: NixlDescList | None = None
+        self._peers: dict[str, Peer] = {}
+        self._active: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
+        self._zmq: zmq.Context[Any] = zmq.Context()
+        self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-unpack")
+        self._server: SideChannelServer | None = None
+        self._owner: OwnerService | None = None
+        self._closed = False
+        try:
+            self._registrations.append(self._agent.register(cache.regions(), self.mem_type, self.device_id))
+            if self.pool.slots:
+                self._registrations.append(self._agent.register(
+                    [(self.pool.base, self.pool.nbytes)], self.pool_mem, self.pool_device))
+        except NixlCallError as exc:
+            self.close()
+            raise TransferError(f"registering the KV cache with NIXL failed: {exc}") from exc
+
+    def stats(self) -> dict[str, int]:
+        """Live NIXL objects and engine state (flat over time when nothing leaks)."""
+        counts = self._agent.counts()
+        return {
+            "registrations": counts["registration"], "dlists": counts["dlist"],
+            "xfer_handles": counts["xfer"], "stuck_xfer_handles": counts["stuck_xfer"],
+            "active_transfers": sum(1 for h in list(self._active) if h.state is TransferState.PENDING),
+            "owner_jobs": self._owner.active_jobs if self._owner else 0,
+            "staging_free": self.pool.free, "staging_chunks": self.pool.slots, "peers": len(self._peers),
+        }
+
+    def close(self) -> None:
+        """Cancel transfers, stop serving, forget peers, release every NIXL object. Idempotent; never raises
+        (a NIXL object that cannot be released is logged: the process is usually going away)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in list(self._active):
+            handle.release()
+        if self._server is not None:
+            self._server.close()
+        if self._owner is not None:
+            self._owner.close()
+        for peer in list(self._peers.values()):
+            self._forget(peer)
+        agent = getattr(self, "_agent", None)
+        if agent is not None:
+            try:
+                agent.retry_stuck()
+                if self._local_dlist is not None:
+                    agent.release_dlist(self._local_dlist)
+                for registration in self._registrations:
+                    agent.deregister(registration)
+            except NixlCallError as exc:
+                log.warning("kvshuttle: releasing NIXL objects of %s failed: %s", self.name, exc)
+        self._unpacker.shutdown(wait=True)
+        self._zmq.term()
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("this TransferEngine is closed; create a new one")
+
+    def _forget(self, peer: Peer) -> None:
+        """Drop a peer: its NIXL remote state and its connections (never raises)."""
+        if not peer.connected:
+            return
+        peer.connected = False
+        self._peers.pop(peer.agent_name, None)
+        try:
+            if peer.remote_dlist is not None:
+                self._agent.release_dlist(peer.remote_dlist)
+            self._agent.remove_remote(peer.agent_name)
+        except NixlCallError as exc:
+            log.debug("kvshuttle: forgetting peer %s: %s", peer.address, exc)
+        peer.close_connections()

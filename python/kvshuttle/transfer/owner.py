@@ -1,0 +1,79 @@
+"""The owner role (decode, for reverse reads): serve the paged cache to readers, answer claims, hear completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._nixl import NixlCallError
+from .claims import ClaimAuthority
+from .endpoint import Endpoint
+from .errors import SideChannelError, TransferError
+from .owner_service import OwnerService
+from .side_channel import SideChannelServer
+from .wire import NOTIF_PREFIX, PeerInfo, StagingInfo
+
+
+@dataclass(frozen=True)
+class ReadNotice:
+    """A completion notification received by an owner: ``peer_agent`` finished reading."""
+
+    peer_agent: str
+    transfer_id: str | None  # None for notifications not sent by kvshuttle
+    tag: bytes  # the reader's ``notify`` payload (or the raw message)
+
+
+class OwnerRole(Endpoint):
+    """Serves this endpoint's cache on a side channel (``serve``); ``claims`` is the retention authority."""
+
+    _claims: ClaimAuthority | None = None
+
+    def serve(self) -> str:
+        """Start answering readers on the side channel; returns its address (``tcp://host:port``)."""
+        self._check_open()
+        if self._server is None:
+            try:
+                metadata = self._agent.metadata()
+            except NixlCallError as exc:
+                raise SideChannelError(f"reading this agent's NIXL metadata failed: {exc}") from exc
+            staging = StagingInfo(self.pool.slot_bytes, self.pool.slots, self.pool_mem, self.pool_device)
+            info = PeerInfo(self.name, metadata, self.side, self.cache.geometry, self.mem_type, staging)
+            self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
+                                       self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims)
+            try:
+                self._server = SideChannelServer(self._zmq, self.config.host, self.config.port, self._owner.answer)
+            except OSError as exc:
+                raise SideChannelError(str(exc)) from exc
+            self._owner.server = self._server
+        return self._server.address
+
+    @property
+    def address(self) -> str | None:
+        return self._server.address if self._server else None
+
+    @property
+    def claims(self) -> ClaimAuthority | None:
+        """The authority answering readers' claims (settable after serve(): a ledger needs the address)."""
+        return self._claims
+
+    @claims.setter
+    def claims(self, authority: ClaimAuthority | None) -> None:
+        self._claims = authority
+        if self._owner is not None:
+            self._owner.claims = authority
+
+    def notifications(self) -> list[ReadNotice]:
+        """Completion notifications from readers since the last call (owner side)."""
+        self._check_open()
+        try:
+            received = self._agent.notifs()
+        except NixlCallError as exc:
+            raise TransferError(f"reading NIXL notifications failed: {exc}") from exc
+        notices = []
+        for agent, messages in received.items():
+            for message in messages:
+                if message.startswith(NOTIF_PREFIX):
+                    tid, _, tag = message[len(NOTIF_PREFIX):].partition(b":")
+                    notices.append(ReadNotice(agent, tid.decode(errors="replace"), tag))
+                else:
+                    notices.append(ReadNotice(agent, None, message))
+        return notices

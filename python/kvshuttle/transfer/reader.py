@@ -1,0 +1,326 @@
+"""The reader role (prefill, for reverse reads): connect to owners, claim their blocks, read them.
+
+``read()`` validates every argument before anything is posted (named errors), picks the path (direct for
+large pieces and identical layouts, packed for small pieces or layout transforms) and returns a
+:class:`TransferHandle`. A peer whose connection drops or whose heartbeat stops is *lost*: every read,
+claim and ping to it fails at once with ``PeerLostError``; ``connect(address)`` again reaches an owner
+that came back.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..core.blocks import blocks_hold_tokens, check_ids
+from ..core.layout import StagingLayout
+from ..core.plan import ReadPlan, plan_read
+from ..errors import BlockIdError, StagingError
+from ..policy.kv_handle import KVHandle
+from ._nixl import MemType, NixlCallError
+from .claims import ClaimTicket, check_done_reply, claim_request, ticket_from_reply
+from .config import PATHS, Path
+from .direct import DirectRequest, DirectTransfer, all_pieces, build_initialize, build_prepped
+from .endpoint import Endpoint
+from .errors import (
+    BlockRangeError,
+    IncompatiblePeerError,
+    PeerLostError,
+    PeerUnreachableError,
+    RemoteError,
+    StagingExhaustedError,
+    StagingTooSmallError,
+    TransferArgumentError,
+    TransferError,
+)
+from .packed import PackedSetup, PackedTransfer
+from .peer import Peer
+from .side_channel import Connection
+from .staging import chunk_tokens, plan_chunks
+from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
+from .wire import NOTIF_PREFIX, PROTOCOL_VERSION, PeerInfo, check_compatible, geometry_to_wire, layout_difference
+
+
+def _loose_ids(ids: Any) -> tuple[int, ...]:
+    try:
+        return tuple(int(b) for b in np.asarray(ids).reshape(-1))
+    except (TypeError, ValueError, OverflowError):
+        return ()
+
+
+def _int_arg(name: str, value: Any, minimum: int, lids: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise TransferArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}", _loose_ids(lids))
+    return int(value)
+
+
+def _timeout_arg(value: Any, default: float, what: str = "timeout") -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise TransferArgumentError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+class _EmptyTransfer(TransferHandle):
+    """A read of zero blocks: finished at once (the owner still gets its notification)."""
+
+    def __init__(self, transfer_id: str, started: float) -> None:
+        super().__init__(transfer_id, "direct", "nothing to read", np.zeros(0, dtype=np.int64))
+        self._finish(TransferState.DONE, telemetry=TransferTelemetry(
+            transfer_id, "direct", "nothing to read", 0, 0, 0, 0, 0.0, 0.0, time.perf_counter() - started))
+
+
+class ReaderRole(Endpoint):
+    """Reads other engines' blocks into this endpoint's cache."""
+
+    def connect(self, address: str, timeout: float | None = None) -> Peer:
+        """Handshake with an owner: exchange metadata and geometry, check compatibility, load its agent.
+
+        PeerUnreachableError when the connection is refused (at once) or nothing answers within
+        ``timeout`` (default ``connect_timeout_s``); IncompatiblePeerError when no path can move blocks.
+        """
+        self._check_open()
+        wait = _timeout_arg(timeout, self.config.connect_timeout_s)
+        config = self.config
+        conn = Connection(self._zmq, address, heartbeat_s=config.heartbeat_s, peer_timeout_s=config.peer_timeout_s)
+        try:
+            reply = conn.request({"op": "hello", "protocol": PROTOCOL_VERSION, "agent": self.name,
+                                  "cache": geometry_to_wire(self.cache.geometry)}, wait, "the handshake")
+            if reply.get("op") == "error":
+                raise RemoteError(f"owner at {address} refused the handshake: {reply.get('message')}")
+            info = PeerInfo.from_wire(reply)
+            check_compatible(self.cache.geometry, info.cache)
+            existing = self._peers.get(info.agent_name)
+            if existing is not None and existing.connected and existing.watch() is None:
+                conn.close()
+                return existing
+            if existing is not None:
+                self._forget(existing)
+            name = self._agent.add_remote(info.metadata)
+            self._agent.connect(name)
+        except NixlCallError as exc:
+            conn.close()
+            raise PeerUnreachableError(f"loading the NIXL metadata of {address} failed: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        peer = Peer(address, info, name, layout_difference(self.cache.geometry, info.cache), conn,
+                    config.heartbeat_s, config.peer_timeout_s)
+        self._peers[name] = peer
+        return peer
+
+    def ping(self, peer: Peer, timeout: float = 1.0) -> bool:
+        """True when the owner answers on its side channel within ``timeout``."""
+        try:
+            self._live_peer(peer, ())
+            return peer.conn.request({"op": "ping"}, _timeout_arg(timeout, 1.0), "a ping").get("op") == "pong"
+        except (PeerUnreachableError, PeerLostError):
+            return False
+
+    def claim(self, peer: Peer, handle: KVHandle, num_blocks: int | None = None,
+              timeout: float | None = None) -> ClaimTicket:
+        """Ask the owner to check and pin the first ``num_blocks`` blocks of ``handle`` before reading them.
+
+        Raises ClaimRefusedError (expired, evicted, stale, consumed, tampered...): recompute instead.
+        """
+        self._check_open()
+        self._live_peer(peer, ())
+        if not isinstance(handle, KVHandle):
+            raise TransferArgumentError(f"claim() needs a KVHandle, got {type(handle).__name__}")
+        count = len(handle.block_ids) if num_blocks is None else _int_arg("num_blocks", num_blocks, 0, ())
+        if count > len(handle.block_ids):
+            raise TransferArgumentError(f"num_blocks={count} exceeds the handle's {len(handle.block_ids)} blocks")
+        wait = _timeout_arg(timeout, self.config.connect_timeout_s)
+        reply = self._request(peer, claim_request(handle, count, self.name), wait, "a claim")
+        return ticket_from_reply(reply, peer.address)
+
+    def finish_claim(self, peer: Peer, ticket: ClaimTicket, ok: bool, timeout: float | None = None) -> None:
+        """Report a claimed read done (``ok``: the owner confirms the blocks were not reused meanwhile, else
+        ClaimRefusedError: discard them) or failed (the owner unpins)."""
+        self._check_open()
+        self._live_peer(peer, ())
+        wait = _timeout_arg(timeout, self.config.connect_timeout_s)
+        reply = self._request(peer, {"op": "claim_done", "claim_id": ticket.claim_id, "ok": bool(ok)}, wait,
+                              "a claim report")
+        if ok:
+            check_done_reply(reply, peer.address)
+
+    def disconnect(self, peer: Peer) -> None:
+        """Forget ``peer`` (its NIXL state and connections). Idempotent."""
+        if isinstance(peer, Peer):
+            self._forget(peer)
+
+    def read(self, peer: Peer, local_ids: Any, remote_ids: Any, *, num_tokens: int | None = None,
+             path: Path = "auto", notify: bytes = b"", timeout: float | None = None,
+             num_heads: int | None = None, local_head_offset: int = 0,
+             remote_head_offset: int = 0) -> TransferHandle:
+        """Start reading the owner's blocks ``remote_ids`` into local blocks ``local_ids`` (in order).
+
+        ``num_tokens`` (default: every slot) may end inside the last block; the direct path copies whole
+        blocks. ``num_heads``/``*_head_offset`` read a head slice (tensor-parallel shards; packed path).
+        ``path="auto"`` picks packed for small descriptors or differing layouts, else direct
+        (``handle.path`` and ``telemetry.reason`` say which and why). ``notify`` is delivered to the owner
+        with the completion notification. Every argument is checked before anything is posted: a bad one
+        raises a named error (``TransferArgumentError``, ``BlockRangeError``...) and nothing is written.
+        """
+        started = time.perf_counter()
+        self._check_open()
+        self._live_peer(peer, local_ids)
+        if path not in PATHS:
+            raise TransferArgumentError(f"path must be one of {PATHS}, not {path!r}", _loose_ids(local_ids))
+        if not isinstance(notify, bytes):
+            raise TransferArgumentError(f"notify must be bytes, got {type(notify).__name__}", _loose_ids(local_ids))
+        wait = _timeout_arg(timeout, self.config.transfer_timeout_s)
+        lids, rids, tokens = self._check_read_ids(peer, local_ids, remote_ids, num_tokens)
+        g, rc = self.cache.geometry, peer.info.cache
+        heads = min(g.num_heads, rc.num_heads) if num_heads is None else _int_arg("num_heads", num_heads, 1, lids)
+        local_offset = _int_arg("local_head_offset", local_head_offset, 0, lids)
+        remote_offset = _int_arg("remote_head_offset", remote_head_offset, 0, lids)
+        if not (local_offset <= g.num_heads - heads and remote_offset <= rc.num_heads - heads):
+            raise BlockRangeError(f"a slice of {heads} heads at offsets {local_offset} (local, of "
+                                  f"{g.num_heads}) / {remote_offset} (remote, of {rc.num_heads}) is out "
+                                  "of range", lids)
+        transfer_id = uuid.uuid4().hex[:16]
+        deadline = time.monotonic() + wait
+        if lids.size == 0:  # nothing to move; the owner still learns the read is over
+            try:
+                self._agent.send_notif(peer.agent_name, NOTIF_PREFIX + transfer_id.encode() + b":" + notify)
+            except NixlCallError as exc:
+                raise PeerLostError(f"notifying {peer.address} failed: {exc}") from exc
+            return _EmptyTransfer(transfer_id, started)
+        sliced = heads != g.num_heads or heads != rc.num_heads
+        difference = peer.layout_difference or (f"head slice of {heads}" if sliced else None)
+        chosen, reason, plan = self._choose_path(peer, lids, rids, path, difference)
+        if chosen == "direct":
+            handle: TransferHandle = self._read_direct(peer, transfer_id, lids, rids, plan, reason, notify,
+                                                       deadline, started)
+        else:
+            layout = StagingLayout(g.block_size, heads, g.order)
+            handle = self._read_packed(peer, transfer_id, lids, rids, tokens, layout, local_offset,
+                                       remote_offset, reason, notify, deadline, started)
+        self._active.add(handle)
+        return handle
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _live_peer(self, peer: Any, local_ids: Any) -> None:
+        """PeerLostError unless ``peer`` is connected to this engine and alive (a lost one is forgotten)."""
+        if not isinstance(peer, Peer) or not peer.connected or self._peers.get(peer.agent_name) is not peer:
+            raise PeerLostError("that peer is not connected to this engine; call engine.connect(address)",
+                                _loose_ids(local_ids))
+        lost = peer.watch()
+        if lost is not None:
+            self._forget(peer)
+            raise PeerLostError(f"{lost}; call engine.connect({peer.address!r}) again once it is back",
+                                _loose_ids(local_ids))
+
+    def _request(self, peer: Peer, message: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+        try:
+            return peer.conn.request(message, timeout, what)
+        except PeerLostError as exc:
+            peer.mark_lost(str(exc))
+            self._forget(peer)
+            raise
+
+    def _check_read_ids(self, peer: Peer, local_ids: Any, remote_ids: Any,
+                        num_tokens: Any) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+        g, rc = self.cache.geometry, peer.info.cache
+        try:
+            lids = check_ids(local_ids, g.num_blocks, "local")
+            rids = check_ids(remote_ids, rc.num_blocks, "remote")
+        except BlockIdError as exc:
+            raise BlockRangeError(f"{exc}; pass ids inside both caches", _loose_ids(local_ids)) from None
+        if num_tokens is None:
+            tokens = min(lids.size * g.block_size, rids.size * rc.block_size)
+        else:
+            tokens = _int_arg("num_tokens", num_tokens, 0, lids)
+        for side, ids, bs in (("local", lids, g.block_size), ("remote", rids, rc.block_size)):
+            if not blocks_hold_tokens(int(ids.size), bs, tokens):
+                raise BlockRangeError(f"{ids.size} {side} blocks of {bs} tokens cannot hold exactly {tokens} "
+                                      "tokens; pass one block per started block of tokens on each side", lids)
+        return lids, rids, tokens
+
+    def _choose_path(self, peer: Peer, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64], path: Path,
+                     difference: str | None) -> tuple[str, str, ReadPlan | None]:
+        staging = self.pool.slots > 0 and peer.info.staging.slots > 0
+        threshold = self.config.packed_threshold_bytes
+        if path == "direct" or (path == "auto" and difference is None and not staging):
+            if difference is not None:
+                raise IncompatiblePeerError(f"a direct read needs identical block layouts, but {difference}; "
+                                            "read with path='packed' (or 'auto')", lids)
+            return "direct", "requested" if path == "direct" else "no staging on one side", None
+        if not staging:
+            raise IncompatiblePeerError(
+                "the packed path needs staging on both sides (staging_chunks > 0 and host caches: CUDA caches "
+                "read direct only for now)" + ("" if difference is None else f"; layouts differ: {difference}"),
+                lids)
+        if path == "packed":
+            return "packed", "requested", None
+        if difference is not None:
+            return "packed", f"layouts differ ({difference})", None
+        piece = self.side.piece_bytes
+        if piece >= threshold:
+            return "direct", f"pieces of {piece} B >= threshold {threshold} B", None
+        plan = plan_read(self.side, lids, peer.info.side, rids)
+        if plan.bytes_per_descriptor >= threshold:
+            return "direct", (f"pieces of {piece} B coalesce to {plan.bytes_per_descriptor:.0f} B per "
+                              f"descriptor >= threshold {threshold} B"), plan
+        return "packed", (f"{plan.bytes_per_descriptor:.0f} B per descriptor after coalescing < threshold "
+                          f"{threshold} B"), None
+
+    def _read_direct(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
+                     rids: npt.NDArray[np.int64], plan: ReadPlan | None, reason: str, notify: bytes,
+                     deadline: float, started: float) -> TransferHandle:
+        notif = NOTIF_PREFIX + transfer_id.encode() + b":" + notify
+        rmem: MemType = peer.info.mem_type
+        try:
+            request: DirectRequest
+            if self.config.direct_mode == "prepped":
+                if self._local_dlist is None:
+                    self._local_dlist = self._agent.prep_dlist(None, all_pieces(self.side), self.mem_type)
+                if peer.remote_dlist is None:
+                    peer.remote_dlist = self._agent.prep_dlist(peer.agent_name, all_pieces(peer.info.side), rmem)
+                request = build_prepped(self._agent, self.side, self._local_dlist, lids, peer.info.side,
+                                        peer.remote_dlist, rids, notif)
+            else:
+                plan = plan or plan_read(self.side, lids, peer.info.side, rids)
+                request = build_initialize(self._agent, plan, self.mem_type, rmem, peer.agent_name, notif)
+        except NixlCallError as exc:
+            if exc.disconnected:
+                peer.mark_lost(str(exc))
+            kind = PeerLostError if exc.disconnected else TransferError
+            raise kind(f"building the direct READ from {peer.address} failed: {exc}", lids) from exc
+        prep = time.perf_counter() - started
+        return DirectTransfer(transfer_id, reason, lids, self._agent, peer.agent_name, request, prep, deadline,
+                              started, peer.watch)
+
+    def _read_packed(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
+                     rids: npt.NDArray[np.int64], tokens: int, layout: StagingLayout, local_head_offset: int,
+                     remote_head_offset: int, reason: str, notify: bytes, deadline: float,
+                     started: float) -> TransferHandle:
+        g, rc = self.cache.geometry, peer.info.cache
+        slot_bytes = min(self.pool.slot_bytes, peer.info.staging.slot_bytes)
+        try:
+            per_chunk = chunk_tokens(g.block_size, rc.block_size, layout, g.num_planes, g.row_bytes, slot_bytes)
+        except StagingError as exc:
+            raise StagingTooSmallError(str(exc), lids) from None
+        chunks = plan_chunks(tokens, per_chunk, g.block_size, rc.block_size, layout, g.num_planes, g.row_bytes)
+        staging = peer.info.staging
+        setup = PackedSetup(
+            context=self._zmq, address=peer.address, peer=peer, peer_agent=peer.agent_name, agent=self._agent,
+            cache=self.cache, pool=self.pool, pool_mem=self.pool_mem, pool_device=self.pool_device,
+            remote_mem="VRAM" if staging.mem_type == "VRAM" else "DRAM", remote_device=staging.device_id,
+            unpacker=self._unpacker, local_ids=lids, remote_ids=rids, num_tokens=tokens, layout=layout,
+            local_head_offset=local_head_offset, remote_head_offset=remote_head_offset, chunk_tokens=per_chunk,
+            chunks=chunks, depth=max(1, self.config.pipeline_depth), notify=notify, deadline=deadline,
+            prep_time=time.perf_counter() - started, reason=reason,
+        )
+        try:
+            return PackedTransfer(transfer_id, setup, started)
+        except StagingExhaustedError as exc:
+            raise StagingExhaustedError(str(exc), lids) from None
