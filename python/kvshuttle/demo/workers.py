@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-from ..policy.decision import Decision
-from ..policy.kv_handle import KVHandle
 
 COMMAND_TIMEOUT_S = 60.0
 
@@ -121,55 +117,43 @@ class Decode(PagedWorker):
         return {"kv_transfer_params": handle.to_kv_transfer_params(), "verified": self.holds(blocks, tokens, held),
                 "retained_blocks": metrics.get("retained_blocks"), "evictions": metrics.get("evictions")}
 
+    def release(self, conversation: str) -> bool:
+        """End a conversation's retention now (its blocks go back to the free list)."""
+        handle_id = self.handles.pop(conversation, None)
+        return handle_id is not None and self.ledger.release(handle_id)
+
 
 class Prefill(PagedWorker):
-    """No prefix cache: each turn decides (policy), claims and reads verified blocks back, computes the rest."""
+    """No prefix cache: each turn runs the library's reuse read (decide, claim, read, confirm) and computes the rest."""
+
+    def __init__(self, shape: DemoShape, role: str) -> None:
+        from ..reuse import ReuseReader
+
+        super().__init__(shape, role)
+        self.reuse = ReuseReader(self.engine, timeout_s=COMMAND_TIMEOUT_S)
 
     def turn(self, tokens: list[int], kv_transfer_params: dict[str, Any] | None, path: str,
              threshold_tokens: int) -> dict[str, Any]:
-        from ..policy.decision import PolicyConfig, decide, parse_handle
-        from ..transfer import TransferError
+        from ..policy import PolicyConfig
 
-        handle = None if kv_transfer_params is None else parse_handle(kv_transfer_params)
-        if isinstance(handle, Decision):  # malformed or tampered: recompute, reason recorded
-            decision = handle
-        else:
-            decision = decide(tokens, local_hit_tokens=0, handle=handle, now_wall=time.time(),
-                              config=PolicyConfig(threshold_tokens=threshold_tokens))
+        self.reuse.policy = PolicyConfig(threshold_tokens=threshold_tokens)
+        self.reuse.path = path  # type: ignore[assignment]
         blocks = self.allocate(len(tokens))
-        row: dict[str, Any] = {"decision": decision.action, "reason": decision.reason.value,
-                               "why": decision.message, "fetched_tokens": 0, "bytes": 0, "descriptors": 0,
-                               "path": "-", "transfer_ms": 0.0}
-        try:
-            if decision.action == "fetch" and isinstance(handle, KVHandle):
-                row.update(self._fetch(decision, handle, blocks, path))
-        except TransferError as exc:  # refused claim, lost peer...: recompute, record why
-            row.update(decision="recompute", reason=getattr(exc, "reason", type(exc).__name__), why=str(exc),
-                       fetched_tokens=0)
-        fetched = row["fetched_tokens"]
-        self.write(blocks, tokens, fetched, len(tokens))  # compute only what was not read
-        row.update(computed_tokens=len(tokens) - fetched, verified=self.holds(blocks, tokens, len(tokens)))
+        result = self.reuse.read(kv_transfer_params, tokens, local_hit_tokens=0, local_block_ids=blocks)
+        telemetry = result.telemetry
+        # compute only what was not reused (the invalid blocks are rewritten by this)
+        self.write(blocks, tokens, result.reused_tokens, len(tokens))
+        row: dict[str, Any] = {
+            "decision": result.action if result.action != "fetched" else "fetch", "reason": result.reason,
+            "why": result.message, "fetched_tokens": result.fetched_tokens, "computed_tokens": len(result.recompute),
+            "bytes": result.bytes, "descriptors": telemetry.descriptors if telemetry else 0,
+            "path": telemetry.path if telemetry else "-",
+            "transfer_ms": telemetry.transfer_time_s * 1e3 if telemetry else 0.0,
+            "gbps": telemetry.gbps if telemetry else 0.0,
+            "verified": self.holds(blocks, tokens, len(tokens)),
+        }
         self.free.extend(blocks)  # prefix cache off: nothing kept for the next turn
         return row
-
-    def _fetch(self, decision: Decision, handle: KVHandle, blocks: list[int], path: str) -> dict[str, Any]:
-        peer = self.engine.connect(f"tcp://{handle.host}:{handle.port}")
-        try:
-            ticket = self.engine.claim(peer, handle, len(decision.fetch_blocks))
-            local = blocks[: len(decision.fetch_blocks)]
-            try:
-                telemetry = self.engine.read(peer, local, list(decision.remote_block_ids),
-                                             num_tokens=decision.fetch_tokens,
-                                             path=path).wait(COMMAND_TIMEOUT_S)  # type: ignore[arg-type]
-            except BaseException:
-                self.engine.finish_claim(peer, ticket, ok=False)
-                raise
-            self.engine.finish_claim(peer, ticket, ok=True)  # raises if the blocks were reused meanwhile
-        finally:
-            self.engine.disconnect(peer)
-        return {"fetched_tokens": decision.fetch_tokens, "bytes": telemetry.bytes,
-                "descriptors": telemetry.descriptors, "path": telemetry.path,
-                "transfer_ms": telemetry.transfer_time_s * 1e3, "gbps": telemetry.gbps}
 
 
 def _serve(conn: Any, shape: DemoShape, role: str) -> None:

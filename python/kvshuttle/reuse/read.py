@@ -1,0 +1,244 @@
+"""The reuse read: one request's decide -> claim -> read -> wait -> finish, or recompute with a reason.
+
+This is the whole serving-path contract in one call, used by the demo and by the vLLM connector. In go the
+decode's handle (``kv_transfer_params``, untrusted), the new prompt (token ids or precomputed
+:class:`~kvshuttle.policy.PromptDigests`), the local prefix-cache hit and the request's local block table;
+out comes a :class:`ReuseResult`: the tokens now valid in the local cache, the local blocks that are not,
+the token range still to compute, and why.
+
+Every refusal or failure on the way is a result, never an exception: a malformed or tampered handle, an
+unverified or expired range, a refused claim, an unreachable or lost decode, a failed or slow read, blocks
+reused on the decode while we read them. Then only the local hit counts, and every local block the read
+may have touched is reported invalid: nothing unverified or partially written is reported as reusable.
+Only caller bugs raise (:class:`ReuseArgumentError`, :class:`~kvshuttle.policy.PolicyError`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ..core.blocks import blocks_for_tokens
+from ..errors import KVShuttleError
+from ..policy import Decision, KVHandle, PolicyConfig, PromptDigests, decide, decide_from_params, parse_handle
+from ..policy.digests import TokenIds
+from ..transfer import (
+    ClaimRefusedError,
+    IncompatiblePeerError,
+    Peer,
+    PeerLostError,
+    PeerUnreachableError,
+    TransferEngine,
+    TransferError,
+    TransferTelemetry,
+    TransferTimeoutError,
+)
+from ..transfer.config import PATHS, Path
+
+log = logging.getLogger(__name__)
+
+Action = Literal["fetched", "local", "recompute"]
+
+
+class ReuseArgumentError(KVShuttleError, ValueError):
+    """A reuse read called wrongly (a block table that cannot hold the prompt, a bad path): fix the call."""
+
+
+class Failure(str, enum.Enum):
+    """Why a fetch the policy approved did not happen (``ReuseResult.reason`` holds the value)."""
+
+    MISALIGNED = "misaligned"  # the remote range does not start on a local block boundary after the hit
+    PEER_UNREACHABLE = "peer_unreachable"
+    INCOMPATIBLE_PEER = "incompatible_peer"
+    PEER_LOST = "peer_lost"
+    CLAIM_REFUSED = "claim_refused"  # expired, evicted, released, consumed, stale or tampered on the decode
+    TRANSFER_TIMEOUT = "transfer_timeout"
+    TRANSFER_FAILED = "transfer_failed"
+    REUSED_MEANWHILE = "reused_meanwhile"  # the decode reused the blocks while we read them
+
+
+@dataclass(frozen=True)
+class ReuseResult:
+    """What one request gets. ``reused_tokens`` leading tokens are valid in the local cache; compute the rest."""
+
+    action: Action
+    reason: str  # a policy Reason value ("fetch", "expired", ...) or a Failure value
+    message: str  # one line: why
+    num_tokens: int  # prompt length
+    local_tokens: int  # the local prefix-cache hit, still valid
+    fetched_tokens: int  # read from the decode and confirmed
+    invalid_block_ids: tuple[int, ...]  # local blocks the read may have written and that must not be used
+    decision: Decision
+    telemetry: TransferTelemetry | None = None
+    claim_s: float = 0.0  # claim and confirmation round trips
+    total_s: float = 0.0  # the whole reuse read
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.local_tokens + self.fetched_tokens
+
+    @property
+    def recompute(self) -> range:
+        """The token positions the model must still compute."""
+        return range(self.reused_tokens, self.num_tokens)
+
+    @property
+    def bytes(self) -> int:
+        return self.telemetry.bytes if self.telemetry else 0
+
+
+def _failure(exc: BaseException) -> Failure:
+    if isinstance(exc, ClaimRefusedError):
+        return Failure.CLAIM_REFUSED
+    if isinstance(exc, PeerUnreachableError):
+        return Failure.PEER_UNREACHABLE
+    if isinstance(exc, IncompatiblePeerError):
+        return Failure.INCOMPATIBLE_PEER
+    if isinstance(exc, PeerLostError):
+        return Failure.PEER_LOST
+    if isinstance(exc, TransferTimeoutError):
+        return Failure.TRANSFER_TIMEOUT
+    return Failure.TRANSFER_FAILED
+
+
+class ReuseReader:
+    """Reuse reads for one prefill worker: its engine, policy and a cache of connected decodes.
+
+    A decode that is lost is reconnected on the next request that names it (and skipped, recomputing, while it
+    is down). ``timeout_s`` bounds claim + read + confirmation of one request. Driven from one thread, like
+    the engine.
+    """
+
+    def __init__(self, engine: TransferEngine, policy: PolicyConfig | None = None, *, timeout_s: float = 10.0,
+                 path: Path = "auto", clock: Callable[[], float] = time.time) -> None:
+        if path not in PATHS:
+            raise ReuseArgumentError(f"path must be one of {PATHS}, not {path!r}")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ReuseArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.engine = engine
+        self.policy = policy or PolicyConfig()
+        self.timeout_s = float(timeout_s)
+        self.path: Path = path
+        self._clock = clock
+        self._peers: dict[str, Peer] = {}
+
+    def read(self, kv_transfer_params: Any, prompt: TokenIds | PromptDigests, *, local_hit_tokens: int,
+             local_block_ids: Sequence[int] | np.ndarray[Any, Any], clock_offset_s: float = 0.0) -> ReuseResult:
+        """Reuse what can be verified and read for one prompt; see the module docstring.
+
+        ``local_block_ids``: the request's local block table in token order (block k holds tokens
+        ``[k*B, (k+1)*B)`` of the local block size), covering at least the whole prompt.
+        """
+        started = time.perf_counter()
+        num_tokens = _length(prompt)
+        handle = parse_handle(kv_transfer_params)
+        if isinstance(handle, KVHandle):
+            decision = decide(prompt, local_hit_tokens=local_hit_tokens, handle=handle, now_wall=self._clock(),
+                              config=self.policy, clock_offset_s=clock_offset_s)
+        else:  # malformed, tampered, unverifiable or absent: the policy says why, we recompute
+            decision = decide_from_params(prompt, kv_transfer_params, local_hit_tokens=local_hit_tokens,
+                                          now_wall=self._clock(), config=self.policy)
+        local_ids = self._targets(decision, local_block_ids, num_tokens)
+        if not decision.fetch or not isinstance(handle, KVHandle):
+            return self._result(decision, started, num_tokens)
+        if local_ids is None:
+            return self._failed(decision, started, num_tokens, Failure.MISALIGNED, (),
+                                f"the verified range starts at token {decision.fetch_token_range.start}, not "
+                                f"where the local hit of {decision.local_tokens} tokens ends on a local block")
+        return self._fetch(decision, handle, local_ids, num_tokens, started)
+
+    def close(self) -> None:
+        """Forget every connected decode (the engine itself stays open)."""
+        for peer in self._peers.values():
+            self.engine.disconnect(peer)
+        self._peers.clear()
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _targets(self, decision: Decision, local_block_ids: Any, num_tokens: int) -> list[int] | None:
+        """The local blocks the fetched tokens land in; None when they do not start on a local block."""
+        bs = self.engine.cache.geometry.block_size
+        try:
+            table = [int(b) for b in np.asarray(local_block_ids, dtype=np.int64).reshape(-1)]
+        except (TypeError, ValueError, OverflowError):
+            raise ReuseArgumentError("local_block_ids must be a sequence of integers") from None
+        if len(table) < blocks_for_tokens(num_tokens, bs):
+            raise ReuseArgumentError(f"{len(table)} local blocks of {bs} tokens cannot hold the {num_tokens}-token "
+                                     "prompt; pass the request's whole block table")
+        if not decision.fetch:
+            return []
+        tokens = decision.fetch_token_range
+        if tokens.start != decision.local_tokens or tokens.start % bs:
+            return None
+        first = tokens.start // bs
+        return table[first:first + blocks_for_tokens(len(tokens), bs)]
+
+    def _peer(self, handle: KVHandle) -> Peer:
+        address = f"tcp://{handle.host}:{handle.port}"
+        peer = self._peers.get(address)
+        if peer is not None and peer.connected and peer.watch() is None:
+            return peer
+        if peer is not None:
+            self.engine.disconnect(peer)
+            del self._peers[address]
+        peer = self.engine.connect(address)
+        self._peers[address] = peer
+        return peer
+
+    def _fetch(self, decision: Decision, handle: KVHandle, local_ids: list[int], num_tokens: int,
+               started: float) -> ReuseResult:
+        deadline = time.monotonic() + self.timeout_s
+        claim_s, ticket, peer, confirming = 0.0, None, None, False
+        try:
+            peer = self._peer(handle)
+            t0 = time.perf_counter()
+            ticket = self.engine.claim(peer, handle, decision.fetch_blocks.stop, timeout=_left(deadline))
+            claim_s = time.perf_counter() - t0
+            with self.engine.read(peer, local_ids, list(decision.remote_block_ids), num_tokens=decision.fetch_tokens,
+                                  path=self.path, timeout=_left(deadline)) as transfer:
+                telemetry = transfer.wait(_left(deadline))
+            t0 = time.perf_counter()
+            confirming = True  # from here on the decode holds no pin to drop: finish_claim(ok) ends the claim
+            self.engine.finish_claim(peer, ticket, ok=True, timeout=_left(deadline))
+            claim_s += time.perf_counter() - t0
+        except TransferError as exc:
+            if ticket is not None and peer is not None and not confirming:  # let the decode unpin now
+                try:
+                    self.engine.finish_claim(peer, ticket, ok=False, timeout=_left(deadline))
+                except TransferError as report:
+                    log.debug("kvshuttle: could not report a failed read to %s: %s", handle.host, report)
+            failure = Failure.REUSED_MEANWHILE if confirming and isinstance(exc, ClaimRefusedError) \
+                else _failure(exc)
+            return self._failed(decision, started, num_tokens, failure, tuple(local_ids), str(exc), claim_s)
+        return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
+                           decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
+
+    def _result(self, decision: Decision, started: float, num_tokens: int) -> ReuseResult:
+        action: Action = "local" if decision.local_tokens > 0 else "recompute"
+        return ReuseResult(action, decision.reason.value, decision.message, num_tokens, decision.local_tokens, 0,
+                           (), decision, total_s=time.perf_counter() - started)
+
+    def _failed(self, decision: Decision, started: float, num_tokens: int, failure: Failure,
+                invalid: tuple[int, ...], why: str, claim_s: float = 0.0) -> ReuseResult:
+        log.info("kvshuttle: recompute, because %s: %s", failure.value, why)
+        action: Action = "local" if decision.local_tokens > 0 else "recompute"
+        return ReuseResult(action, failure.value, f"recompute, because {why}", num_tokens, decision.local_tokens,
+                           0, invalid, decision, claim_s=claim_s, total_s=time.perf_counter() - started)
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _length(prompt: TokenIds | PromptDigests) -> int:
+    if isinstance(prompt, PromptDigests):
+        return prompt.num_tokens
+    try:
+        return len(prompt)
+    except TypeError:
+        raise ReuseArgumentError(f"prompt must be token ids or PromptDigests, got {type(prompt).__name__}") from None
