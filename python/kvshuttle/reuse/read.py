@@ -117,7 +117,7 @@ class ReuseReader:
 
     def __init__(self, engine: TransferEngine, policy: PolicyConfig | None = None, *, timeout_s: float = 10.0,
                  path: Path = "auto", clock: Callable[[], float] = time.time) -> None:
-        if path not in PATHS:
+        if not isinstance(path, str) or path not in PATHS:
             raise ReuseArgumentError(f"path must be one of {PATHS}, not {path!r}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ReuseArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal
+
+from .errors import TransferArgumentError
 
 Path = Literal["auto", "direct", "packed"]
 PATHS: tuple[Path, ...] = ("auto", "direct", "packed")
@@ -45,3 +48,28 @@ class EngineConfig:
     transfer_timeout_s: float = 60.0
     staging_lease_s: float = 30.0  # owner reclaims a ready chunk not released within this (reader died)
     debug_pack_delay_s: float = 0.0  # fault injection for tests: sleep after packing each chunk
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                    and (value > 0 or (value == 0 and f.name == "debug_pack_delay_s"))
+                want = "a positive number of seconds"
+            elif f.name in ("name", "backends", "host", "direct_mode"):
+                continue
+            else:
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                want = "an integer >= 0"
+            if not ok:
+                raise TransferArgumentError(f"EngineConfig.{f.name} must be {want}, got {value!r}")
+        if not (isinstance(self.port, int) and self.port < 65536):
+            raise TransferArgumentError(f"EngineConfig.port must be in 0..65535 (0: a free port), got {self.port!r}")
+        if self.staging_chunk_bytes <= 0:
+            raise TransferArgumentError("EngineConfig.staging_chunk_bytes must be > 0")
+        if self.direct_mode not in ("initialize", "prepped"):
+            raise TransferArgumentError(f"EngineConfig.direct_mode must be 'initialize' or 'prepped', got "
+                                        f"{self.direct_mode!r}")
+        if not (isinstance(self.backends, tuple) and self.backends and all(isinstance(b, str) for b in self.backends)):
+            raise TransferArgumentError(f"EngineConfig.backends must be a non-empty tuple of names, got "
+                                        f"{self.backends!r}")

@@ -172,7 +172,7 @@ class ReaderRole(Endpoint):
         started = time.perf_counter()
         self._check_open()
         self._live_peer(peer, local_ids)
-        if path not in PATHS:
+        if not isinstance(path, str) or path not in PATHS:
             raise TransferArgumentError(f"path must be one of {PATHS}, not {path!r}", _loose_ids(local_ids))
         if not isinstance(notify, bytes):
             raise TransferArgumentError(f"notify must be bytes, got {type(notify).__name__}", _loose_ids(local_ids))

@@ -211,7 +211,7 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            ready = dict(self._poller.poll(max(1, int(left * 1000) + 1)))
+            ready = dict(self._poller.poll(max(1, int(min(left, 1.0) * 1000) + 1)))  # monitor wakes it too
             if self._socket in ready:
                 return True
 
