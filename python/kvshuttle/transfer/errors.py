@@ -72,7 +72,7 @@ class StagingExhaustedError(TransferError):
 
 
 class StagingTooSmallError(TransferError, StagingError):
-    """A staging chunk cannot hold one aligned unit of the read: raise ``staging_chunk_bytes``."""
+    """A staging slot cannot hold one granule of the read (whole blocks on both sides): raise staging_chunk_bytes."""
 
 
 class RemoteError(TransferError):

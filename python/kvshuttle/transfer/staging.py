@@ -1,8 +1,11 @@
-"""Staging: a registered pool of fixed-size chunks, and how a packed read is cut into chunks.
+"""Staging: a registered pool of fixed-size *slots*, and how a packed read is cut into *chunks*.
 
-A chunk holds whole staging units of whole blocks on *both* sides, so each chunk is packed on the owner
-and unpacked on the reader on its own (pack/unpack of a sub-range of the block ids). Chunk boundaries
-fall on multiples of ``lcm(owner block size, reader block size, staging block size)`` tokens.
+Words: a *slot* is one fixed-size place in the registered pool (``staging_chunk_bytes`` each); a *chunk* is
+the part of one packed read that occupies one slot; a *staging unit* is ``StagingLayout.block_size``
+tokens inside a chunk. A chunk holds whole staging units and whole blocks on *both* sides, so each chunk is
+packed on the owner and unpacked on the reader on its own (pack/unpack of a sub-range of the block ids).
+Chunk boundaries fall on multiples of a *granule*: ``lcm(owner block size, reader block size, staging block
+size)`` tokens.
 """
 
 from __future__ import annotations
@@ -88,14 +91,14 @@ class Chunk:
 
 def chunk_tokens(local_bs: int, remote_bs: int, layout: StagingLayout, planes: int, row_bytes: int,
                  slot_bytes: int) -> int:
-    """Tokens per chunk: the most whole aligned units that fit in one staging slot."""
-    unit = math.lcm(local_bs, remote_bs, layout.block_size)
-    unit_bytes = (unit // layout.block_size) * planes * layout.block_size * layout.num_heads * row_bytes
-    if unit_bytes > slot_bytes:
+    """Tokens per chunk: the most whole granules (``lcm`` of the three block sizes) that fit in one slot."""
+    granule = math.lcm(local_bs, remote_bs, layout.block_size)
+    granule_bytes = (granule // layout.block_size) * planes * layout.block_size * layout.num_heads * row_bytes
+    if granule_bytes > slot_bytes:
         raise StagingError(
-            f"a staging chunk of {slot_bytes} bytes cannot hold one aligned unit of {unit} tokens "
-            f"({unit_bytes} bytes); raise staging_chunk_bytes on both sides")
-    return (slot_bytes // unit_bytes) * unit
+            f"a staging chunk of {slot_bytes} bytes cannot hold one granule of {granule} tokens (whole blocks on "
+            f"both sides, {granule_bytes} bytes); raise staging_chunk_bytes on both sides")
+    return (slot_bytes // granule_bytes) * granule
 
 
 def plan_chunks(num_tokens: int, tokens_per_chunk: int, local_bs: int, remote_bs: int,
