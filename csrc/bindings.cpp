@@ -1,12 +1,19 @@
-// Python bindings only: every function here forwards to csrc/cpu, csrc/cuda or build_info.
+// Python bindings only: every function here forwards to csrc/cpu, csrc/cuda or build_info, and the native
+// exceptions (kvshuttle/errors.h) are translated to kvshuttle.errors' classes of the same name.
+#include <pybind11/native_enum.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <exception>
+#include <new>
+#include <string>
 
 #include "kvshuttle/build_info.h"
 #include "kvshuttle/cpu_copy.h"
 #include "kvshuttle/cuda_copy.h"
 #include "kvshuttle/descriptor_plan.h"
+#include "kvshuttle/errors.h"
 #include "kvshuttle/thread_pool.h"
 
 namespace py = pybind11;
@@ -16,9 +23,52 @@ namespace {
 using PlaneTable = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using BlockIds = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
+// Sets kvshuttle.errors.<name>(message) as the Python error. Looked up when raised (a sys.modules hit), so the
+// extension holds no Python object of its own.
+void set_named_error(const char* name, const char* message) {
+  py::set_error(py::module_::import("kvshuttle.errors").attr(name), message);
+}
+
+// Local to this module: other pybind11 extensions in the process keep their own translation.
+void register_errors() {
+  py::register_local_exception_translator([](std::exception_ptr failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const py::error_already_set&) {
+      throw;  // a Python error already: pybind11 restores it
+    } catch (const py::builtin_exception&) {
+      throw;  // pybind11's own (argument casts): its default translation
+    } catch (const LayoutError& e) {
+      set_named_error("LayoutError", e.what());
+    } catch (const BlockIdError& e) {
+      set_named_error("BlockIdError", e.what());
+    } catch (const StagingError& e) {
+      set_named_error("StagingError", e.what());
+    } catch (const CudaError& e) {
+      set_named_error("CudaError", e.what());
+    } catch (const BackendError& e) {
+      set_named_error("BackendError", e.what());
+    } catch (const std::bad_alloc&) {
+      set_named_error("NativeMemoryError",
+                      "kvshuttle native code ran out of host memory; free memory or move fewer blocks per call");
+    } catch (const std::exception& e) {
+      set_named_error("BackendError", (std::string("kvshuttle native code failed unexpectedly (") + e.what() +
+                                       "); please report it with the call that raised it")
+                                          .c_str());
+    }
+  });
+}
+
 void register_types(py::module_& m) {
-  py::enum_<TokenOrder>(m, "TokenOrder").value("NHD", TokenOrder::NHD).value("HND", TokenOrder::HND);
-  py::enum_<Direction>(m, "Direction").value("PACK", Direction::Pack).value("UNPACK", Direction::Unpack);
+  // Real enum.Enum classes (what _native.pyi declares), not pybind11's enum look-alikes.
+  py::native_enum<TokenOrder>(m, "TokenOrder", "enum.Enum")
+      .value("NHD", TokenOrder::NHD)
+      .value("HND", TokenOrder::HND)
+      .finalize();
+  py::native_enum<Direction>(m, "Direction", "enum.Enum")
+      .value("PACK", Direction::Pack)
+      .value("UNPACK", Direction::Unpack)
+      .finalize();
   py::class_<PagedCopySpec>(m, "PagedCopySpec")
       .def(py::init<>())
       .def_readwrite("num_layers", &PagedCopySpec::num_layers)
@@ -72,6 +122,7 @@ void register_copies(py::module_& m) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "kvshuttle native core: paged KV pack/unpack (CPU, CUDA)";
+  register_errors();
   register_types(m);
   register_copies(m);
   register_plan(m);

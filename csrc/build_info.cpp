@@ -1,8 +1,7 @@
 #include "kvshuttle/build_info.h"
 
-#include <stdexcept>
-
 #include "kvshuttle/cuda_copy.h"
+#include "kvshuttle/errors.h"
 
 #ifdef KVSHUTTLE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -27,7 +26,7 @@ BuildInfo build_info() {
 
 #ifndef KVSHUTTLE_WITH_CUDA
 void paged_copy_cuda(const PagedCopySpec&, const uint64_t*, int64_t, const int64_t*, int64_t, Direction, uint64_t) {
-  throw std::runtime_error("kvshuttle was built without CUDA (set KVSHUTTLE_CUDA=ON and reinstall)");
+  throw BackendError("kvshuttle was built without CUDA (set KVSHUTTLE_CUDA=ON and reinstall)");
 }
 int cuda_device_count() { return 0; }
 #endif

@@ -60,4 +60,5 @@ def test_demo_walks_every_case_and_verifies_every_byte(path: str) -> None:
     assert rows["B2"]["decision"] == "recompute" and rows["B2"]["reason"] == "below_threshold"
     assert rows["C2"]["decision"] == "recompute" and rows["C2"]["reason"] == "expired"
     assert rows["D2"]["decision"] == "fetch"
-    assert rows["A4"]["decision"] == "recompute" and rows["A4"]["reason"] == "HandleEvictedError"
+    assert rows["A4"]["decision"] == "recompute" and rows["A4"]["reason"] == "claim_refused"
+    assert rows["A4"]["owner_reason"] == "HandleEvictedError"

@@ -19,6 +19,7 @@ from kvshuttle import (
     BlockIdError,
     KVShuttleError,
     LayoutError,
+    NativeMemoryError,
     PagedKVCache,
     StagingError,
     StagingLayout,
@@ -233,31 +234,32 @@ def _plan(host, ids=(2, 5, 7), tokens=10):
 def test_native_entry_point_checks_ids(host, native, direction, ids, match):
     plan, staging = _plan(host)
     before, cache_before = staging.copy(), host.snapshot()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(BlockIdError, match=match):
         native.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, np.array(ids, np.int64),
                               getattr(native.Direction, direction))
     assert_bytes_equal(staging, before)
     assert_caches_equal(host.raws, cache_before)
 
 
-@pytest.mark.parametrize(("field", "value", "match"), [
-    ("num_tokens", -1, "num_tokens"),
-    ("staging_bytes", -1, "staging holds"),
-    ("head_offset", 1, "head slice"),
-    ("head_offset", -1, "head slice"),
-    ("staging_heads", 0, "positive"),
-    ("staging_block_size", 0, "positive"),
-    ("block_stride", 1, "block_stride"),
-    ("num_layers", 0, "num_layers"),
-    ("planes_per_layer", 3, "planes"),
-    ("row_bytes", 0, "positive"),
+@pytest.mark.parametrize(("field", "value", "error", "match"), [
+    ("num_tokens", -1, BlockIdError, "num_tokens"),
+    ("staging_bytes", -1, StagingError, "staging holds"),
+    ("head_offset", 1, LayoutError, "head slice"),
+    ("head_offset", -1, LayoutError, "head slice"),
+    ("staging_heads", 0, LayoutError, "positive"),
+    ("staging_block_size", 0, LayoutError, "positive"),
+    ("block_stride", 1, LayoutError, "block_stride"),
+    ("num_layers", 0, LayoutError, "num_layers"),
+    ("planes_per_layer", 3, LayoutError, "planes"),
+    ("row_bytes", 0, LayoutError, "positive"),
+    ("num_blocks", -1, LayoutError, "num_blocks"),
 ])
-def test_native_entry_point_checks_spec(host, native, field, value, match):
+def test_native_entry_point_checks_spec(host, native, field, value, error, match):
     plan, staging = _plan(host)
     spec = plan.native_spec()
     setattr(spec, field, value if field != "staging_bytes" else spec.required_staging_bytes() + value)
     before = staging.copy()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         native.paged_copy_cpu(spec, plan.cache.plane_bases, plan.block_ids, native.Direction.PACK)
     assert_bytes_equal(staging, before)
 
@@ -268,8 +270,36 @@ def test_native_entry_point_checks_plane_table_length(host, native, plane_count_
     bases = plan.cache.plane_bases
     bases = bases[:-1] if plane_count_change < 0 else np.append(bases, bases[-1])
     before = staging.copy()
-    with pytest.raises(ValueError, match="plane table"):
+    with pytest.raises(LayoutError, match="plane table"):
         native.paged_copy_cpu(plan.native_spec(), bases, plan.block_ids, native.Direction.PACK)
+    assert_bytes_equal(staging, before)
+
+
+def test_native_cuda_entry_point_without_cuda_is_a_backend_error(host, native):
+    if native.build_info().cuda:
+        pytest.skip("built with CUDA")
+    plan, _ = _plan(host)
+    with pytest.raises(BackendError, match="without CUDA"):
+        native.paged_copy_cuda(plan.native_spec(), plan.cache.plane_bases, plan.block_ids, native.Direction.PACK)
+
+
+def test_native_errors_are_the_python_classes(native):
+    """The extension raises kvshuttle.errors' classes themselves (so `except kvshuttle.LayoutError` works)."""
+    with pytest.raises(LayoutError) as info:
+        native.paged_copy_cpu(native.PagedCopySpec(), np.zeros(0, np.uint64), np.zeros(0, np.int64),
+                              native.Direction.PACK)
+    assert type(info.value) is LayoutError and isinstance(info.value, KVShuttleError)
+
+
+def test_native_out_of_memory_is_a_named_error(host, native):
+    """std::bad_alloc (here: a seen-mask for 2**62 blocks) is NativeMemoryError, a BackendError and a MemoryError."""
+    plan, staging = _plan(host)
+    spec = plan.native_spec()
+    spec.num_blocks = 2**62
+    before = staging.copy()
+    with pytest.raises(NativeMemoryError, match="host memory") as info:
+        native.paged_copy_cpu(spec, plan.cache.plane_bases, plan.block_ids, native.Direction.PACK)
+    assert isinstance(info.value, BackendError) and isinstance(info.value, MemoryError)
     assert_bytes_equal(staging, before)
 
 

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvshuttle.policy import HandleFormatError, KVHandle
 
@@ -71,3 +73,119 @@ def test_missing_fields_are_named_errors(missing: str) -> None:
 def test_not_a_dict() -> None:
     with pytest.raises(HandleFormatError):
         KVHandle.from_kv_transfer_params(["remote_block_ids"])
+
+
+# ---------------------------------------------------------------------------- every malformed field
+@pytest.mark.parametrize(("field", "value"), [
+    ("remote_blocks_expiry_time", 10**400),  # an int too large for a float: OverflowError before
+    ("remote_blocks_expiry_time", float("inf")),
+    ("remote_blocks_expiry_time", "1700000480.5"),
+    ("remote_blocks_expiry_time", True),
+    ("kvshuttle_issued_at", float("-inf")),
+    ("kvshuttle_issued_at", None),
+    ("kvshuttle_ttl_s", float("nan")),
+    ("kvshuttle_ttl_s", -1.0),
+    ("kvshuttle_ttl_s", 10**400),
+    ("remote_port", 0),
+    ("remote_port", -5600),
+    ("remote_port", 10**400),
+    ("remote_port", 5600.0),
+    ("tp_size", 0),
+    ("tp_size", 2**63),
+    ("tp_size", False),
+    ("kvshuttle_generation", 2**63),
+    ("kvshuttle_generation", 7.0),
+    ("kvshuttle_block_size", 2**63),
+    ("kvshuttle_block_size", -16),
+    ("kvshuttle_block_size", 16.0),
+    ("kvshuttle_version", True),  # == 1, but a bool
+    ("kvshuttle_version", 10**400),
+    ("remote_num_tokens", 10**400),
+    ("remote_num_tokens", 70.0),
+    ("remote_num_tokens", True),
+    ("remote_block_ids", [100, 101, 102, 103, 2**63]),
+    ("remote_block_ids", [100, 101, 102, 103, 10**400]),
+    ("remote_block_ids", [100.0, 101.0, 102.0, 103.0, 104.0]),
+    ("remote_block_ids", [100, 101, 102, 103, True]),
+    ("remote_block_ids", [100, 101, 102, 103, None]),
+    ("remote_block_ids", [[100], 101, 102, 103, 104]),
+    ("remote_block_ids", (100, 101, 102, 103, 104)),  # a tuple is not what JSON or msgpack give
+    ("remote_block_ids", None),
+    ("kvshuttle_digests", "0" * 159),  # odd length
+    ("kvshuttle_digests", "00 " * 80),  # bytes.fromhex skips the spaces; the wire format has none
+    ("kvshuttle_digests", "é" * 160),
+    ("kvshuttle_digests", b"\x00" * 80),
+    ("kvshuttle_digests", "00" * 16 * 4),  # four digests for five blocks
+    ("kvshuttle_digests", "00" * 16 * 6),
+    ("kvshuttle_digest_size", 65),  # past blake2b's 64
+    ("kvshuttle_digest_size", -16),
+    ("kvshuttle_digest_size", 10**400),
+    ("kvshuttle_digest_size", 16.0),
+    ("remote_engine_id", ""),
+    ("remote_request_id", ""),
+    ("remote_host", ""),
+    ("remote_host", None),
+    ("remote_engine_id", 7),
+    ("kvshuttle_handle_id", b"h-Zx81"),
+], ids=lambda v: repr(v)[:30])
+def test_every_malformed_field_is_a_handle_format_error(field: str, value: Any) -> None:
+    params = handle().to_kv_transfer_params()
+    params[field] = value
+    with pytest.raises(HandleFormatError) as info:
+        KVHandle.from_kv_transfer_params(params)
+    assert type(info.value) is HandleFormatError and str(info.value)
+
+
+def test_negative_tokens_with_no_blocks_are_refused() -> None:
+    """0 == n blocks holds exactly 0 tokens, not -5 (the empty-list corner the old check let through)."""
+    empty = KVHandle(**{**handle().__dict__, "block_ids": (), "digests": (), "num_tokens": 0})
+    params = empty.to_kv_transfer_params()
+    params["remote_num_tokens"] = -5
+    with pytest.raises(HandleFormatError):
+        KVHandle.from_kv_transfer_params(params)
+    with pytest.raises(HandleFormatError, match="num_tokens"):
+        KVHandle(**{**empty.__dict__, "num_tokens": -5}).check()
+
+
+def test_uppercase_hex_and_large_valid_values_parse() -> None:
+    params = handle().to_kv_transfer_params()
+    params["kvshuttle_digests"] = params["kvshuttle_digests"].upper()
+    params["kvshuttle_generation"] = 2**63 - 1
+    params["remote_block_ids"] = [2**63 - 5, 2**63 - 4, 2**63 - 3, 2**63 - 2, 2**63 - 1]
+    parsed = KVHandle.from_kv_transfer_params(params)
+    assert parsed.digests == handle().digests and parsed.generation == 2**63 - 1
+
+
+def _wrong_values() -> st.SearchStrategy[Any]:
+    """What a confused or hostile peer could put in a field after JSON or msgpack decoding, and then some."""
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([2**63, -(2**63) - 1, 10**400]),
+        st.floats(), st.text(max_size=8), st.binary(max_size=8),
+        st.sampled_from(["00", "zz", "0" * 33, "00 " * 16, "", "NaN", "1e400"]),
+    )
+    return st.one_of(scalars, st.lists(scalars, max_size=6), st.dictionaries(st.text(max_size=3), scalars, max_size=2),
+                     st.lists(st.floats(), min_size=1, max_size=5), st.lists(st.integers(-(2**65), 2**65), max_size=6))
+
+
+FIELDS = tuple(handle().to_kv_transfer_params())
+
+
+@settings(max_examples=300, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.dictionaries(st.sampled_from(FIELDS), _wrong_values(), min_size=1, max_size=3),
+       dropped=st.lists(st.sampled_from(FIELDS), max_size=2), blocks=st.integers(0, 6))
+def test_mutated_params_raise_only_handle_format_error(changes: dict[str, Any], dropped: list[str],
+                                                       blocks: int) -> None:
+    """Any field (or several) set to a random wrong type or value, or missing: a HandleFormatError, or a handle
+    that is valid and round-trips. Never another exception: the prefill recomputes on HandleFormatError only."""
+    params = handle(blocks, max(blocks * 16 - 3, 0)).to_kv_transfer_params()
+    params.update(changes)
+    for name in dropped:
+        params.pop(name, None)
+    try:
+        parsed = KVHandle.from_kv_transfer_params(params)
+    except HandleFormatError as exc:
+        assert type(exc) is HandleFormatError and str(exc)
+        return
+    parsed.check()
+    assert KVHandle.from_kv_transfer_params(parsed.to_kv_transfer_params()) == parsed

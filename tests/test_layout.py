@@ -384,7 +384,7 @@ def test_build_info():
     assert info["version"] == kvshuttle.__version__
     assert info["native"] is True
     assert info["num_threads"] >= 1
-    native = kvshuttle.core.ops._native
+    native = kvshuttle.core.native.ext
     assert info["cuda"] is bool(native.build_info().cuda)
     assert isinstance(info["cuda_archs"], list)
     if info["cuda"]:
@@ -393,7 +393,7 @@ def test_build_info():
     else:
         assert info["cuda_archs"] == []
         assert not info["gpu_available"]
-        with pytest.raises(RuntimeError, match="without CUDA"):
+        with pytest.raises(kvshuttle.BackendError, match="without CUDA"):
             native.paged_copy_cuda(native.PagedCopySpec(), np.zeros(0, np.uint64), np.zeros(0, np.int64),
                                    native.Direction.PACK, 0)
     assert info["gpu_available"] == (info["cuda"] and native.cuda_device_count() > 0)

@@ -362,7 +362,7 @@ def test_unknown_backend_and_missing_native(rng, monkeypatch):
     side = make_side(rng, "mla", 1, 4, 64)
     with pytest.raises(BackendError, match="backend must be"):
         plan_read(side, [0], side, [0], backend="gpu")  # type: ignore[arg-type]
-    monkeypatch.setattr(kv_plan, "_native", None)
+    monkeypatch.setattr(kv_plan.native, "ext", None)
     with pytest.raises(BackendError, match="not built"):
         plan_read(side, [0], side, [0], backend="native")
     assert plan_read(side, [0, 1], side, [2, 3]).num_descriptors == 1  # auto falls back to the reference
@@ -371,7 +371,7 @@ def test_unknown_backend_and_missing_native(rng, monkeypatch):
 # ------------------------------------------------------------------------------- native entry point
 @needs_native
 def test_native_entry_point_guards_its_memory_accesses(rng):
-    native = kv_plan._native
+    native = kv_plan.native.ext
     side = make_side(rng, "flash_attn", 1, 4, 64)
     spec = native.ReadPlanSpec()
     spec.num_units, spec.planes_per_unit, spec.piece_bytes = 2, 1, 64
@@ -379,9 +379,9 @@ def test_native_entry_point_guards_its_memory_accesses(rng):
     ids, bases, units = np.array([0, 1], dtype=np.int64), side.plane_bases, np.array([0, 1])
     for bad_units, exc_text in [(np.array([0, 2]), "outside the base tables"), (np.array([-1, 0]), "outside"),
                                 (np.array([0]), "expected num_units")]:
-        with pytest.raises(ValueError, match=exc_text):
+        with pytest.raises(LayoutError, match=exc_text):
             native.plan_read_descriptors(spec, bad_units, bases, ids, bases, ids, 4, 4)
-    with pytest.raises(ValueError, match="differ in length"):
+    with pytest.raises(BlockIdError, match="differ in length"):
         native.plan_read_descriptors(spec, units, bases, ids, bases, ids[:1], 4, 4)
     assert native.plan_read_descriptors(spec, units, bases, ids, bases, ids, 4, 4) is not None
     for lids, rids in [([1, 0], [0, 1]), ([1, 1], [0, 1]), ([0, 4], [0, 1]), ([-1, 0], [0, 1]),
@@ -389,7 +389,7 @@ def test_native_entry_point_guards_its_memory_accesses(rng):
         got = native.plan_read_descriptors(spec, units, bases, np.array(lids), bases, np.array(rids), 4, 4)
         assert got is None, (lids, rids)
     spec.piece_bytes = 0
-    with pytest.raises(ValueError, match="piece_bytes > 0"):
+    with pytest.raises(LayoutError, match="piece_bytes > 0"):
         native.plan_read_descriptors(spec, units, bases, ids, bases, ids, 4, 4)
 
 

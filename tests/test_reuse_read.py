@@ -165,7 +165,7 @@ def test_released_handle_is_refused_and_recomputed(decode: WorkerProcess,
     before = [layer.copy() for layer in worker.layers]
     result = reader.read(params, prompt, local_hit_tokens=0, local_block_ids=blocks)
     assert (result.action, result.reason, result.reused_tokens) == ("recompute", Failure.CLAIM_REFUSED.value, 0)
-    assert "recompute, because" in result.message
+    assert "recompute, because" in result.message and result.owner_reason == "HandleReleasedError"
     assert set(result.invalid_block_ids) <= set(blocks)
     assert unwritten(worker, blocks, before)
 

@@ -3,11 +3,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <stdexcept>
+#include <exception>
 #include <string>
 #include <vector>
 
 #include "kvshuttle/cuda_copy.h"
+#include "kvshuttle/errors.h"
 
 // Tuning knobs (compile-time): vectors in flight per lane, and streaming cache hints for one-touch data.
 #ifndef KVSHUTTLE_CUDA_UNROLL
@@ -22,8 +23,8 @@ namespace {
 
 void cuda_check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("kvshuttle CUDA error in ") + what + ": " +
-                             cudaGetErrorString(err));
+    throw CudaError(std::string("kvshuttle CUDA error in ") + what + ": " + cudaGetErrorString(err) +
+                    " (check the device and that the arrays live on it; a sticky error needs a new process)");
   }
 }
 
@@ -188,7 +189,8 @@ void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
   const int64_t items = num_ids * spec.num_planes();
   if (items == 0) return;
   if (items > INT32_MAX || spec.num_tokens > INT32_MAX || spec.num_blocks > INT32_MAX) {
-    throw std::invalid_argument("kvshuttle CUDA paged copy: more than 2^31 pieces, tokens or blocks");
+    throw LayoutError("kvshuttle CUDA paged copy: more than 2^31 pieces, tokens or blocks; split the copy "
+                      "into calls of fewer blocks");
   }
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int64_t planes = spec.num_planes();
@@ -224,7 +226,7 @@ void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
   // A partial last block is contiguous only in NHD order.
   const bool flat = spec.is_flat() && (spec.order == TokenOrder::NHD || spec.num_tokens % spec.block_size == 0);
 
-  std::string failure;
+  std::exception_ptr failure;  // rethrown after the scratch is freed, with its type (a CudaError)
   if (err == cudaSuccess) {
     try {
       if (direction == Direction::Pack) {
@@ -233,12 +235,12 @@ void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
         launch_widest<false>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
       }
       err = cudaGetLastError();
-    } catch (const std::exception& e) {
-      failure = e.what();
+    } catch (...) {
+      failure = std::current_exception();
     }
   }
   const cudaError_t free_err = cudaFreeAsync(scratch, stream);  // stream-ordered: after the kernel
-  if (!failure.empty()) throw std::runtime_error(failure);
+  if (failure) std::rethrow_exception(failure);
   cuda_check(err, "paged copy launch");
   cuda_check(free_err, "cudaFreeAsync");
 }

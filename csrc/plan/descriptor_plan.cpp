@@ -5,11 +5,11 @@
 // joins id i exactly when both sides' stretches step by one unit. So ids split once into runs, and each
 // unit writes one row per run with no test inside the unit: consecutive runs never join by construction.
 // Only a unit's first run may join the previous unit's last row. Both paths write identical rows.
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "kvshuttle/descriptor_plan.h"
+#include "kvshuttle/errors.h"
 
 namespace kvshuttle {
 namespace {
@@ -155,16 +155,18 @@ bool read_ids_are_ready(const int64_t* local_ids, const int64_t* remote_ids, int
 void check_read_plan(const ReadPlanSpec& spec, const int64_t* unit_planes, int64_t num_unit_planes,
                      int64_t num_local_planes, int64_t num_remote_planes) {
   if (spec.num_units < 0 || spec.planes_per_unit <= 0 || spec.piece_bytes == 0) {
-    throw std::invalid_argument("read plan needs num_units >= 0, planes_per_unit > 0, piece_bytes > 0");
+    throw LayoutError("read plan needs num_units >= 0, planes_per_unit > 0, piece_bytes > 0 "
+                      "(build the spec from SideGeometry, as plan_read does)");
   }
   if (num_unit_planes != spec.num_units * spec.planes_per_unit) {
-    throw std::invalid_argument("unit plane table has " + std::to_string(num_unit_planes) +
-                                " entries, expected num_units * planes_per_unit");
+    throw LayoutError("unit plane table has " + std::to_string(num_unit_planes) +
+                      " entries, expected num_units * planes_per_unit");
   }
   for (int64_t k = 0; k < num_unit_planes; ++k) {
     const int64_t plane = unit_planes[k];
     if (plane < 0 || plane >= num_local_planes || plane >= num_remote_planes) {
-      throw std::invalid_argument("plane index " + std::to_string(plane) + " is outside the base tables");
+      throw LayoutError("plane index " + std::to_string(plane) + " is outside the base tables (pass every "
+                        "plane's base address on both sides)");
     }
   }
 }

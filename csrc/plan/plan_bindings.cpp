@@ -6,11 +6,11 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
-#include <stdexcept>
 #include <utility>
 #include <vector>
 
 #include "kvshuttle/descriptor_plan.h"
+#include "kvshuttle/errors.h"
 #include "row_buffer_pool.h"
 
 namespace py = pybind11;
@@ -72,7 +72,7 @@ py::object plan_read(const ReadPlanSpec& spec, const Indices& unit_planes, const
                      int64_t local_blocks, int64_t remote_blocks) {
   check_read_plan(spec, unit_planes.data(), unit_planes.size(), local_bases.size(), remote_bases.size());
   if (local_ids.size() != remote_ids.size()) {
-    throw std::invalid_argument("local and remote id arrays differ in length");
+    throw BlockIdError("local and remote id arrays differ in length; pass one remote id per local id");
   }
   const int64_t num_ids = local_ids.size();
   if (!read_ids_are_ready(local_ids.data(), remote_ids.data(), num_ids, local_blocks, remote_blocks)) {

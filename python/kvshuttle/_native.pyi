@@ -1,19 +1,28 @@
-"""Type stub of the compiled extension (csrc/bindings.cpp)."""
+"""Type stub of the compiled extension (csrc/bindings.cpp); ``python -m mypy.stubtest kvshuttle._native`` keeps it
+true. Failures raise kvshuttle.errors' named classes (LayoutError, BlockIdError, StagingError, BackendError,
+CudaError, NativeMemoryError), translated where the extension is bound."""
 
 import enum
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
+class _Pybind11Type(type):
+    """pybind11_builtins.pybind11_type: the metaclass of every class the extension binds."""
+
+# py::native_enum: real enum.Enum classes; the capsule ties each to its C++ enum.
 class TokenOrder(enum.Enum):
+    __pybind11_native_enum__: ClassVar[object]
     NHD = 0
     HND = 1
 
 class Direction(enum.Enum):
+    __pybind11_native_enum__: ClassVar[object]
     PACK = 0
     UNPACK = 1
 
-class PagedCopySpec:
+class PagedCopySpec(metaclass=_Pybind11Type):
     num_layers: int
     planes_per_layer: int
     num_blocks: int
@@ -32,7 +41,8 @@ class PagedCopySpec:
     def __init__(self) -> None: ...
     def required_staging_bytes(self) -> int: ...
 
-class BuildInfo:
+class BuildInfo(metaclass=_Pybind11Type):
+    def __init__(self, *args: object, **kwargs: object) -> None: ...  # bound without a constructor: TypeError
     @property
     def version(self) -> str: ...
     @property
@@ -56,7 +66,7 @@ def set_num_threads(n: int) -> None: ...
 def build_info() -> BuildInfo: ...
 def cuda_device_count() -> int: ...
 
-class ReadPlanSpec:
+class ReadPlanSpec(metaclass=_Pybind11Type):
     num_units: int
     planes_per_unit: int
     piece_bytes: int

@@ -40,7 +40,7 @@ int64_t plan_read_descriptors(const ReadPlanSpec& spec, const int64_t* unit_plan
 bool read_ids_are_ready(const int64_t* local_ids, const int64_t* remote_ids, int64_t num_ids,
                         int64_t local_blocks, int64_t remote_blocks);
 
-// Throws std::invalid_argument when the spec is inconsistent or a plane index is outside a base table.
+// Throws LayoutError (kvshuttle/errors.h) when the spec is inconsistent or a plane index is outside a base table.
 // Ids only enter address arithmetic, never a memory access here, so they are not needed for safety.
 void check_read_plan(const ReadPlanSpec& spec, const int64_t* unit_planes, int64_t num_unit_planes,
                      int64_t num_local_planes, int64_t num_remote_planes);

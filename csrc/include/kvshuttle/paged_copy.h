@@ -52,7 +52,8 @@ struct PagedCopySpec {
   }
 };
 
-// Throws std::invalid_argument when the spec is inconsistent or an id is out of range or repeated.
+// Throws LayoutError when the spec is inconsistent, BlockIdError when an id is out of range or repeated or the id
+// count does not match num_tokens, StagingError when staging is too small (kvshuttle/errors.h).
 // The Python layer validates first with named errors; this guards the raw native entry points.
 // plane_bases must hold spec.num_planes() entries.
 void check_paged_copy(const PagedCopySpec& spec, const uint64_t* plane_bases, int64_t num_plane_bases,

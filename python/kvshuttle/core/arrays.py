@@ -95,6 +95,8 @@ def describe(x: object) -> ArrayView:
         )
     if not isinstance(x, np.ndarray):
         raise LayoutError(f"expected a numpy array, torch tensor or CUDA array, got {type(x).__name__}")
+    if x.dtype.hasobject or x.itemsize == 0:  # Python object pointers are not KV bytes: a copy would corrupt them
+        raise LayoutError(f"arrays of dtype {x.dtype} cannot hold KV bytes; use a numeric dtype")
     return ArrayView(
         address=int(x.ctypes.data),
         shape=tuple(int(s) for s in x.shape),

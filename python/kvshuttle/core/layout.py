@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import LayoutError
+from .._values import is_int
+from ..errors import LayoutError, shown
 from .arrays import ArrayView, describe
+from .blocks import blocks_for_tokens
 
 
 class CacheKind(str, enum.Enum):
@@ -40,15 +42,15 @@ class TokenOrder(str, enum.Enum):
 def cache_kind(value: CacheKind | str) -> CacheKind:
     try:
         return CacheKind(value)
-    except ValueError:
-        raise LayoutError(f"unknown cache kind {value!r}; use one of {[k.value for k in CacheKind]}") from None
+    except (ValueError, TypeError):
+        raise LayoutError(f"unknown cache kind {shown(value)}; use one of {[k.value for k in CacheKind]}") from None
 
 
 def token_order(value: TokenOrder | str) -> TokenOrder:
     try:
         return TokenOrder(value)
-    except ValueError:
-        raise LayoutError(f"unknown token order {value!r}; use 'NHD' or 'HND'") from None
+    except (ValueError, TypeError):
+        raise LayoutError(f"unknown token order {shown(value)}; use 'NHD' or 'HND'") from None
 
 
 _LOGICAL_NDIM = {CacheKind.FLASH_ATTN: 5, CacheKind.FLASHINFER: 5, CacheKind.MLA: 3}
@@ -115,8 +117,12 @@ class StagingLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "order", token_order(self.order))
-        if self.block_size <= 0 or self.num_heads <= 0:
-            raise LayoutError(f"a staging layout needs positive block size and heads, got {self}")
+        for name in ("block_size", "num_heads"):
+            value = getattr(self, name)
+            # 2**31: the native copy's per-piece index math is 32-bit; nothing real comes near it.
+            if not (is_int(value) and 0 < value < 2**31):
+                raise LayoutError(f"a staging layout needs an integer {name} in [1, 2**31), got {shown(value)}")
+            object.__setattr__(self, name, int(value))
 
     @classmethod
     def like(cls, geometry: CacheGeometry, num_heads: int | None = None) -> StagingLayout:
@@ -124,7 +130,7 @@ class StagingLayout:
         return cls(geometry.block_size, num_heads or geometry.num_heads, geometry.order)
 
     def num_units(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def nbytes(self, geometry: CacheGeometry, num_tokens: int) -> int:
         """Staging bytes needed for ``num_tokens`` tokens of a cache with this geometry."""
@@ -210,6 +216,9 @@ class PagedKVCache:
         ``order`` is read from the strides (vLLM's HND caches are permuted views); pass it to assert it.
         """
         kind = cache_kind(kind)
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise LayoutError(f"layers must be a sequence of per-layer arrays, got {type(layers).__name__}")
+        layers = list(layers)
         if len(layers) == 0:
             raise LayoutError("need at least one layer")
         views = [describe(x) for x in layers]

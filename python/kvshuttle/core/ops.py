@@ -7,28 +7,20 @@ torch or cupy stream of the arrays' framework) and returns before the copy finis
 
 from __future__ import annotations
 
-import operator
 import sys
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import BackendError, BlockIdError, LayoutError, StagingError
-from . import reference
+from .._values import is_int
+from ..errors import BackendError, BlockIdError, LayoutError, StagingError, shown
+from . import native, reference
 from .arrays import ArrayView, describe, host_bytes
-from .blocks import BlockIds, check_ids
+from .blocks import BlockIds, blocks_hold_tokens, check_ids
 from .layout import CacheGeometry, PagedKVCache, StagingLayout, TokenOrder
-
-_native: ModuleType | None
-try:
-    from .. import _native
-except ImportError:  # a source checkout without a build: the reference still works on host memory
-    _native = None
-
-Backend = Literal["auto", "native", "reference"]
+from .native import Backend
 
 
 @dataclass(frozen=True)
@@ -42,42 +34,56 @@ class CopyPlan:
     num_tokens: int
     head_offset: int
 
-    def native_spec(self) -> Any:
+    def native_spec(self) -> native.PagedCopySpec:
         g, layout = self.cache.geometry, self.layout
-        native = require_native()
-        spec = native.PagedCopySpec()
+        native.require()
+        ext = native.ext
+        spec = ext.PagedCopySpec()
         spec.num_layers, spec.planes_per_layer = g.num_layers, g.planes_per_layer
         spec.num_blocks, spec.block_stride = g.num_blocks, g.block_stride
         spec.block_size, spec.num_heads, spec.head_offset = g.block_size, g.num_heads, self.head_offset
-        spec.order = native.TokenOrder.NHD if g.order is TokenOrder.NHD else native.TokenOrder.HND
+        spec.order = ext.TokenOrder.NHD if g.order is TokenOrder.NHD else ext.TokenOrder.HND
         spec.staging_addr, spec.staging_bytes = self.staging.address, self.staging.nbytes
         spec.staging_block_size, spec.staging_heads = layout.block_size, layout.num_heads
-        spec.staging_order = native.TokenOrder.NHD if layout.order is TokenOrder.NHD else native.TokenOrder.HND
+        spec.staging_order = ext.TokenOrder.NHD if layout.order is TokenOrder.NHD else ext.TokenOrder.HND
         spec.row_bytes, spec.num_tokens = g.row_bytes, self.num_tokens
         return spec
 
 
 def staging_nbytes(cache: PagedKVCache | CacheGeometry, num_tokens: int, layout: StagingLayout | None = None) -> int:
     """Bytes a staging buffer needs for ``num_tokens`` tokens in ``layout`` (default: the cache's own)."""
-    geometry = cache.geometry if isinstance(cache, PagedKVCache) else cache
-    return (layout or StagingLayout.like(geometry)).nbytes(geometry, num_tokens)
+    if isinstance(cache, PagedKVCache):
+        geometry = cache.geometry
+    elif isinstance(cache, CacheGeometry):
+        geometry = cache
+    else:
+        raise LayoutError(f"pass a PagedKVCache or its CacheGeometry, not {type(cache).__name__}")
+    if not is_int(num_tokens) or num_tokens < 0:
+        raise BlockIdError(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}")
+    return _layout(layout, geometry).nbytes(geometry, int(num_tokens))
+
+
+def _layout(layout: object, geometry: CacheGeometry, num_heads: int | None = None) -> StagingLayout:
+    if layout is None:
+        return StagingLayout.like(geometry, num_heads)
+    if not isinstance(layout, StagingLayout):
+        raise LayoutError(f"layout must be a StagingLayout or None, not {type(layout).__name__}")
+    return layout
 
 
 def _check_block_ids(block_ids: BlockIds, geometry: CacheGeometry, num_tokens: int | None) -> tuple[
     npt.NDArray[np.int64], int
 ]:
     ids = check_ids(block_ids, geometry.num_blocks)
-    capacity = ids.size * geometry.block_size
-    try:
-        tokens = capacity if num_tokens is None else operator.index(num_tokens)
-    except TypeError:
-        raise BlockIdError(f"num_tokens must be an integer, got {num_tokens!r}") from None
-    if tokens < 0 or not (capacity - geometry.block_size < tokens <= capacity or tokens == 0 == ids.size):
+    tokens = ids.size * geometry.block_size if num_tokens is None else num_tokens
+    if not is_int(tokens):  # 40.5 is not 40 tokens, True is not 1
+        raise BlockIdError(f"num_tokens must be an integer, got {shown(num_tokens)}")
+    if not blocks_hold_tokens(int(ids.size), geometry.block_size, tokens):
         raise BlockIdError(
-            f"{ids.size} blocks of {geometry.block_size} tokens cannot hold exactly {tokens} tokens "
+            f"{ids.size} blocks of {geometry.block_size} tokens cannot hold exactly {shown(tokens)} tokens "
             "(pass one block per started block of tokens)"
         )
-    return ids, tokens
+    return ids, int(tokens)
 
 
 def plan_copy(
@@ -88,10 +94,14 @@ def plan_copy(
     if not isinstance(cache, PagedKVCache):
         raise LayoutError("pass a PagedKVCache (PagedKVCache.from_arrays(layers, kind))")
     g = cache.geometry
-    layout = layout or StagingLayout.like(g, g.num_heads - head_offset if head_offset else None)
+    if not is_int(head_offset):
+        raise LayoutError(f"head_offset must be an integer, got {shown(head_offset)}")
+    head_offset = int(head_offset)
+    layout = _layout(layout, g, g.num_heads - head_offset if 0 < head_offset < g.num_heads else None)
     if not 0 <= head_offset <= g.num_heads - layout.num_heads:
         raise LayoutError(
-            f"heads [{head_offset}, {head_offset + layout.num_heads}) are outside the cache's {g.num_heads}"
+            f"heads [{shown(head_offset)}, {shown(head_offset + layout.num_heads)}) are outside the cache's "
+            f"{g.num_heads}; pass a head_offset and layout.num_heads that fit"
         )
     ids, tokens = _check_block_ids(block_ids, g, num_tokens)
     view = describe(staging)
@@ -121,27 +131,29 @@ def _default_stream(plan: CopyPlan) -> int:
 
 
 def _run(plan: CopyPlan, pack: bool, backend: Backend, stream: int | None) -> None:
-    if backend not in ("auto", "native", "reference"):
-        raise BackendError(f"backend must be 'auto', 'native' or 'reference', not {backend!r}")
+    backend = native.check_backend(backend)
+    if stream is not None and not (is_int(stream) and 0 <= stream < 2**64):
+        raise BackendError(f"stream must be a CUDA stream handle (an int) or None, got {shown(stream)}")
+    ext = native.ext
     if plan.cache.is_cuda:
-        if backend == "reference" or _native is None or not _native.build_info().cuda:
+        if backend == "reference" or not native.cuda_built():
             raise BackendError("CUDA arrays need the native CUDA build (install with KVSHUTTLE_CUDA=ON)")
-        direction = _native.Direction.PACK if pack else _native.Direction.UNPACK
-        _native.paged_copy_cuda(
-            plan.native_spec(), plan.cache.plane_bases, plan.block_ids, direction,
-            _default_stream(plan) if stream is None else stream,
+        ext.paged_copy_cuda(
+            plan.native_spec(), plan.cache.plane_bases, plan.block_ids,
+            ext.Direction.PACK if pack else ext.Direction.UNPACK,
+            _default_stream(plan) if stream is None else int(stream),
         )
         return
-    if backend == "reference" or (backend == "auto" and _native is None):
+    if backend == "reference" or (backend == "auto" and not native.available()):
         staged = host_bytes(plan.staging.address, plan.staging.nbytes)
         if pack:
             reference.pack(plan.cache, plan.block_ids, staged, plan.layout, plan.num_tokens, plan.head_offset)
         else:
             reference.unpack(staged, plan.cache, plan.block_ids, plan.layout, plan.num_tokens, plan.head_offset)
         return
-    native = require_native()
-    direction = native.Direction.PACK if pack else native.Direction.UNPACK
-    native.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, plan.block_ids, direction)
+    native.require()
+    ext.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, plan.block_ids,
+                       ext.Direction.PACK if pack else ext.Direction.UNPACK)
 
 
 def pack(
@@ -179,14 +191,3 @@ def unpack(
     plan = plan_copy(cache, block_ids, staging, num_tokens=num_tokens, layout=layout,
                      head_offset=head_offset, staging_written=False)
     _run(plan, False, backend, stream)
-
-
-def native_module() -> ModuleType | None:
-    """The compiled extension, or None when this is a source checkout without a build."""
-    return _native
-
-
-def require_native() -> ModuleType:
-    if _native is None:
-        raise BackendError("the native extension is not built; reinstall kvshuttle or use backend='reference'")
-    return _native

@@ -14,27 +14,21 @@ K and V) are walked layer by layer, block by block, plane by plane. Ids are sort
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import BackendError, BlockIdError, LayoutError
-from . import reference
+from .._values import is_int
+from ..errors import BackendError, BlockIdError, LayoutError, shown
+from . import native, reference
 from .blocks import BlockIds, as_ids, check_ids
 from .layout import PagedKVCache
-
-_native: Any  # the extension module, or None in a source checkout without a build (the reference plans)
-try:
-    _native = importlib.import_module("kvshuttle._native")
-except ImportError:
-    _native = None
-
-Backend = Literal["auto", "native", "reference"]
+from .native import Backend as Backend  # re-exported: callers spell it plan.Backend
 
 Descriptors = npt.NDArray[np.uint64]
 Ids = npt.NDArray[np.int64]
@@ -60,8 +54,9 @@ class SideGeometry:
         object.__setattr__(self, "plane_bases", _addresses(self.plane_bases))
         for name in _WIRE_KEYS[1:]:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise LayoutError(f"{name} must be an integer, got {type(value).__name__}")
+            # Signed 64-bit, as the native planner's fields (and every peer's msgpack) carry them.
+            if not (is_int(value) and -(2**63) <= value < 2**63):
+                raise LayoutError(f"{name} must be a 64-bit integer, got {shown(value)}")
             object.__setattr__(self, name, int(value))
         num_planes = self.plane_bases.size
         if self.planes_per_layer <= 0 or num_planes == 0 or num_planes % self.planes_per_layer:
@@ -94,6 +89,8 @@ class SideGeometry:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> SideGeometry:
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"geometry from the peer must be a dict, got {type(d).__name__}")
         missing = [k for k in _WIRE_KEYS if k not in d]
         if missing:
             raise LayoutError(f"geometry from the peer lacks {missing}")
@@ -133,14 +130,17 @@ class SideGeometry:
 
 def _addresses(values: Any) -> npt.NDArray[np.uint64]:
     """A read-only 1-D uint64 copy of ``values``; LayoutError for anything but non-negative 64-bit ints."""
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):  # ragged nesting, objects numpy cannot hold
+        raise LayoutError(f"plane_bases must be a 1-D sequence of integers, got {shown(values)}") from None
     if arr.size == 0:
         arr = arr.astype(np.uint64)
-    if arr.dtype == object:
-        try:
-            arr = np.array([int(v) for v in arr.reshape(-1)], dtype=np.uint64).reshape(arr.shape)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise LayoutError(f"plane_bases must be non-negative 64-bit addresses: {exc}") from None
+    if arr.dtype == object:  # Python ints past int64 (addresses in the upper half of the space), or junk
+        flat = arr.reshape(-1).tolist()
+        if not all(is_int(v) and 0 <= v < 2**64 for v in flat):
+            raise LayoutError("plane_bases must be non-negative 64-bit addresses")
+        arr = np.array(flat, dtype=np.uint64).reshape(arr.shape)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise LayoutError(f"plane_bases must be a 1-D sequence of integers, got {arr.dtype} {arr.shape}")
     if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
@@ -222,11 +222,12 @@ def _check_sides(local: SideGeometry, remote: SideGeometry) -> None:
 
 
 def native_available() -> bool:
-    return _native is not None and hasattr(_native, "plan_read_descriptors")
+    """Whether the native planner is built (else ``backend="auto"`` plans with the numpy reference)."""
+    return native.available()
 
 
-def _native_spec(local: SideGeometry, remote: SideGeometry, units: Ids) -> Any:
-    spec = _native.ReadPlanSpec()
+def _native_spec(local: SideGeometry, remote: SideGeometry, units: Ids) -> native.ReadPlanSpec:
+    spec = native.ext.ReadPlanSpec()
     spec.num_units, spec.planes_per_unit = units.shape
     spec.piece_bytes = local.piece_bytes
     spec.local_block_stride, spec.local_device = local.block_stride, local.device_id
@@ -234,14 +235,13 @@ def _native_spec(local: SideGeometry, remote: SideGeometry, units: Ids) -> Any:
     return spec
 
 
-def _native_rows(spec: Any, units: Ids, local: SideGeometry, local_ids: Ids, remote: SideGeometry,
+def _native_rows(spec: native.ReadPlanSpec, units: Ids, local: SideGeometry, local_ids: Ids, remote: SideGeometry,
                  remote_ids: Ids) -> tuple[Descriptors, Descriptors] | None:
     """Both row arrays, or None when the ids are not sorted by local id and valid (native check)."""
-    rows: tuple[Descriptors, Descriptors] | None = _native.plan_read_descriptors(
+    return native.ext.plan_read_descriptors(
         spec, units, local.plane_bases, local_ids, remote.plane_bases, remote_ids, local.num_blocks,
         remote.num_blocks,
     )
-    return rows
 
 
 def plan_read(
@@ -255,8 +255,7 @@ def plan_read(
     pieces overlap), BlockIdError for ids that are out of range, of different counts, or repeat a local
     block, BackendError for an unknown or unbuilt backend. Nothing is modified.
     """
-    if backend not in ("auto", "native", "reference"):
-        raise BackendError(f"backend must be 'auto', 'native' or 'reference', not {backend!r}")
+    backend = native.check_backend(backend)
     _check_sides(local, remote)
     lids, rids = as_ids(local_ids, "local"), as_ids(remote_ids, "remote")
     if lids.size != rids.size:

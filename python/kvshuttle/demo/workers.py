@@ -145,7 +145,8 @@ class Prefill(PagedWorker):
         self.write(blocks, tokens, result.reused_tokens, len(tokens))
         row: dict[str, Any] = {
             "decision": result.action if result.action != "fetched" else "fetch", "reason": result.reason,
-            "why": result.message, "fetched_tokens": result.fetched_tokens, "computed_tokens": len(result.recompute),
+            "why": result.message, "owner_reason": result.owner_reason, "fetched_tokens": result.fetched_tokens,
+            "computed_tokens": len(result.recompute),
             "bytes": result.bytes, "descriptors": telemetry.descriptors if telemetry else 0,
             "path": telemetry.path if telemetry else "-",
             "transfer_ms": telemetry.transfer_time_s * 1e3 if telemetry else 0.0,

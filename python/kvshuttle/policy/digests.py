@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import KVShuttleError
+from .._values import is_int
+from ..errors import KVShuttleError, shown
 
 PERSON = b"kvshuttle.dg.v1"  # blake2b personalisation: our digests never equal another protocol's
 DEFAULT_DIGEST_SIZE = 16
@@ -59,13 +60,20 @@ def _base(extra_key: bytes, digest_size: int) -> Any:
 
 
 def _check_size(digest_size: int) -> None:
-    if not 1 <= digest_size <= 64:
-        raise DigestError(f"digest_size must be in 1..64 (blake2b), got {digest_size}")
+    if not (is_int(digest_size) and 1 <= digest_size <= 64):
+        raise DigestError(f"digest_size must be an int in 1..64 (blake2b), got {shown(digest_size)}")
 
 
 def _check_block_size(block_size: int) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise DigestError(f"block_size must be a positive integer, got {block_size!r}")
+    if not (is_int(block_size) and block_size >= 1):
+        raise DigestError(f"block_size must be a positive integer, got {shown(block_size)}")
+
+
+def _key(extra_key: bytes) -> bytes:
+    # bytes(5) would be five zero bytes: an int (or anything else) is a caller bug, never a key
+    if not isinstance(extra_key, (bytes, bytearray, memoryview)):
+        raise DigestError(f"extra_key must be bytes, got {type(extra_key).__name__}")
+    return bytes(extra_key)
 
 
 def encode_tokens(token_ids: TokenIds) -> bytes:
@@ -106,7 +114,7 @@ def _root(parent: bytes | None, digest_size: int) -> bytes:
     if parent is None:
         return bytes(digest_size)
     if not isinstance(parent, (bytes, bytearray, memoryview)) or len(parent) != digest_size:
-        raise DigestError(f"parent must be a {digest_size}-byte digest, got {parent!r:.40}")
+        raise DigestError(f"parent must be a {digest_size}-byte digest, got {shown(parent, 40)}")
     return bytes(parent)
 
 
@@ -115,11 +123,13 @@ def chain_encoded(encoded: bytes, block_size: int, *, extra_key: bytes = b"", pa
     """:func:`block_digests` over tokens already encoded with :func:`encode_tokens`."""
     _check_block_size(block_size)
     _check_size(digest_size)
+    if not isinstance(include_partial, (bool, np.bool_)):
+        raise DigestError(f"include_partial must be a bool, got {type(include_partial).__name__}")
     if len(encoded) % TOKEN_BYTES:
         raise DigestError("encoded tokens must be a whole number of uint32 values")
     step = int(block_size) * TOKEN_BYTES
     full_end = len(encoded) - len(encoded) % step
-    base = _base(bytes(extra_key), digest_size)
+    base = _base(_key(extra_key), int(digest_size))
     out = _chain(encoded, 0, full_end, step, _root(parent, digest_size), base)
     if include_partial and full_end < len(encoded):
         last = out[-1] if out else _root(parent, digest_size)
@@ -147,6 +157,8 @@ def from_vllm_block_hashes(hashes: Iterable[Any]) -> list[bytes]:
     they match across processes only when P and D run the same hash algorithm with the same ``PYTHONHASHSEED``
     (vLLM's chain root is random otherwise): a mismatch is safe, nothing verifies and prefill recomputes.
     """
+    if not isinstance(hashes, Iterable):
+        raise DigestError(f"vLLM block hashes must be an iterable of bytes, got {type(hashes).__name__}")
     out: list[bytes] = []
     for h in hashes:
         if not isinstance(h, (bytes, bytearray, memoryview)):
@@ -178,6 +190,8 @@ class PromptDigests:
     def __post_init__(self) -> None:
         _check_block_size(self.block_size)
         _check_size(self.digest_size)
+        if not is_int(self.num_tokens):
+            raise DigestError(f"num_tokens must be an integer, got {shown(self.num_tokens)}")
         full = self.num_tokens // self.block_size
         if self.num_tokens < 0 or len(self.buffer) != full * self.digest_size:
             raise DigestError(f"{len(self.buffer)} digest bytes for {full} full blocks of {self.digest_size}")
@@ -190,16 +204,19 @@ class PromptDigests:
         encoded = encode_tokens(token_ids)
         digests = chain_encoded(encoded, block_size, extra_key=extra_key, include_partial=False,
                                 digest_size=digest_size)
-        return cls(int(block_size), len(encoded) // TOKEN_BYTES, digest_size, b"".join(digests), encoded,
-                   bytes(extra_key))
+        return cls(int(block_size), len(encoded) // TOKEN_BYTES, int(digest_size), b"".join(digests), encoded,
+                   _key(extra_key))
 
     @classmethod
     def from_vllm_block_hashes(cls, hashes: Iterable[Any], block_size: int, num_tokens: int) -> PromptDigests:
         """The prompt's vLLM ``request.block_hashes`` (full blocks of ``block_size`` tokens)."""
+        _check_block_size(block_size)
+        if not (is_int(num_tokens) and num_tokens >= 0):
+            raise DigestError(f"num_tokens must be a non-negative integer, got {shown(num_tokens)}")
         digests = from_vllm_block_hashes(hashes)
         full = num_tokens // block_size
         if len(digests) < full:
-            raise DigestError(f"{len(digests)} vLLM block hashes for {full} full blocks")
+            raise DigestError(f"{len(digests)} vLLM block hashes for {shown(full)} full blocks")
         size = len(digests[0]) if digests else DEFAULT_DIGEST_SIZE
         return cls(int(block_size), int(num_tokens), size, b"".join(digests[:full]))
 

@@ -30,7 +30,6 @@ Decisions (see also the package docstring):
 
 from __future__ import annotations
 
-import operator
 import secrets
 import threading
 import time
@@ -39,8 +38,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn, TypeVar
 
+from .._values import is_int
+from ..errors import shown
 from ..policy.kv_handle import KVHandle
-from ._checks import check_count, check_positive, check_retain
+from ._checks import (
+    as_tuple,
+    check_block,
+    check_callable,
+    check_count,
+    check_id,
+    check_positive,
+    check_retain,
+    check_time,
+)
 from ._heap import DeadlineHeap
 from .errors import (
     UNAVAILABLE,
@@ -59,7 +69,7 @@ R = TypeVar("R")
 END_REASONS = ("expired", "evicted", "released", "consumed", "stale")
 
 
-class _Handle:
+class _Retained:
     __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "ended", "expiry",
                  "generation", "handle_id", "num_tokens", "request_id", "reused", "tp_size")
 
@@ -83,7 +93,7 @@ class _Block:
 
     __slots__ = ("digest", "holders", "index", "valid")
 
-    def __init__(self, index: int, digest: bytes, valid: int, holder: _Handle) -> None:
+    def __init__(self, index: int, digest: bytes, valid: int, holder: _Retained) -> None:
         self.index, self.digest, self.valid = index, digest, valid
         self.holders = [holder]  # few (turns of one conversation): a list beats a set in memory
 
@@ -104,7 +114,7 @@ class Claim:
 class _OpenClaim:
     __slots__ = ("claim", "handle", "open")
 
-    def __init__(self, claim: Claim, handle: _Handle) -> None:
+    def __init__(self, claim: Claim, handle: _Retained) -> None:
         self.claim, self.handle, self.open = claim, handle, True
 
 
@@ -125,17 +135,20 @@ class RetentionLedger:
                  bytes_per_block: int = 0, claim_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  on_free: Callable[[list[int]], object] | None = None, tombstones: int = 4096) -> None:
-        if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str):
-            raise RetentionArgumentError("engine_id must be a non-empty string and host a string")
+        if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
+            raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
-            raise RetentionArgumentError(f"port {port!r} is not a TCP port (1..65535): pass the side channel's port")
-        if mode not in MODES:
-            raise RetentionArgumentError(f"mode {mode!r}: use 'multi_read' or 'use_once'")
+            raise RetentionArgumentError(f"port {shown(port)} is not a TCP port (1..65535): pass the side channel's "
+                                         "port")
+        if not (isinstance(mode, str) and mode in MODES):
+            raise RetentionArgumentError(f"mode {shown(mode)}: use 'multi_read' or 'use_once'")
+        check_callable("clock", clock)
+        check_callable("wall_clock", wall_clock)
+        check_callable("on_free", on_free, optional=True)
         self._ttl = check_positive("ttl_s", ttl_s)
         self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
         limits = [check_count("budget_blocks", budget_blocks)] if budget_blocks is not None else []
-        if type(bytes_per_block) is not int or bytes_per_block < 0:
-            raise RetentionArgumentError(f"bytes_per_block {bytes_per_block!r} must be a non-negative int")
+        check_count("bytes_per_block", bytes_per_block)
         if budget_bytes is not None:
             if bytes_per_block <= 0:
                 raise RetentionArgumentError("budget_bytes needs bytes_per_block > 0 (all layers' K and V of a block)")
@@ -144,20 +157,20 @@ class RetentionLedger:
         self.bytes_per_block = bytes_per_block
         self.budget_blocks: int | None = min(limits) if limits else None
         self._clock, self._wall_clock, self._on_free = clock, wall_clock, on_free
-        self._tombstone_cap = max(0, int(tombstones))
+        self._tombstone_cap = check_count("tombstones", tombstones)
 
         self._lock = threading.Lock()
-        self._handles: dict[str, _Handle] = {}  # live handles
-        self._lru: OrderedDict[str, _Handle] = OrderedDict()  # live handles without reads in flight, oldest first
+        self._handles: dict[str, _Retained] = {}  # live handles
+        self._lru: OrderedDict[str, _Retained] = OrderedDict()  # live handles without reads in flight, oldest first
         self._blocks: dict[int, _Block] = {}
         self._gen: dict[int, int] = {}  # block -> epoch of its last return to the allocator (0: never)
         self._epoch = 0
         # Handles with reads in flight: their blocks are pinned. Kept per handle, not per block, so a claim costs
         # O(1) whatever the handle's size; the pinned block set is derived when the budget or metrics need it.
-        self._reading: set[_Handle] = set()
+        self._reading: set[_Retained] = set()
         self._draining = 0  # ended handles whose blocks wait for reads in flight
         self._conversations: dict[str, set[str]] = {}
-        self._expiry: DeadlineHeap[_Handle] = DeadlineHeap(lambda h: h.ended is None)
+        self._expiry: DeadlineHeap[_Retained] = DeadlineHeap(lambda h: h.ended is None)
         self._claims: dict[str, _OpenClaim] = {}
         self._claim_deadlines: DeadlineHeap[_OpenClaim] = DeadlineHeap(lambda c: c.open)
         self._ended_handles: OrderedDict[str, str] = OrderedDict()  # recent handle id -> end reason
@@ -184,30 +197,38 @@ class RetentionLedger:
         or a prefix of them (the reader may read fewer blocks). Raises HandleUnavailableError or
         TamperedHandleError; the reader then recomputes."""
         # Compared element-wise with what was issued, so no per-element conversion (O(n) Python at 1,536 blocks).
-        ids = None if block_ids is None else tuple(block_ids)
-        digs = None if digests is None else tuple(digests)
+        check_id("handle_id", handle_id)
+        if not is_int(generation):
+            raise RetentionArgumentError(f"generation must be an int, got {shown(generation)}")
+        check_id("reader", reader)
+        ids, digs = as_tuple("block_ids", block_ids), as_tuple("digests", digests)
         return self._call(lambda: self._claim(handle_id, generation, ids, digs, reader))
 
     def complete(self, claim_id: str) -> Claim:
         """The read finished. Raises ClaimLostError (timed out) or StaleHandleError (blocks reused meanwhile):
         then the reader must discard what it read. In use-once mode a completed read frees the handle."""
+        check_id("claim_id", claim_id)
         return self._call(lambda: self._complete(claim_id))
 
     def abort(self, claim_id: str) -> bool:
         """The read failed or was abandoned: unpin. The handle stays claimable. False if the claim was not live."""
+        check_id("claim_id", claim_id)
         return self._call(lambda: self._abort(claim_id))
 
     def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle:
         """Extend the handle to ``now + ttl_s`` (never shorten) and touch it; returns the updated wire handle."""
+        check_id("handle_id", handle_id)
         ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
         return self._call(lambda: self._renew(handle_id, ttl))
 
     def release(self, handle_id: str) -> bool:
         """End the handle (blocks freed now, or when its reads in flight end). False if it was not live."""
+        check_id("handle_id", handle_id)
         return self._call(lambda: self._release([handle_id]) == 1)
 
     def close_conversation(self, conversation_id: str) -> int:
         """Release every live handle of a conversation; returns how many."""
+        check_id("conversation_id", conversation_id)
         return self._call(lambda: self._release(list(self._conversations.get(conversation_id, ()))))
 
     def release_all(self) -> int:
@@ -217,7 +238,7 @@ class RetentionLedger:
     def block_freed(self, block_id: int) -> None:
         """The owner returned ``block_id`` to its free pool (or reused it) without the ledger: its generation
         moves on and every handle holding it becomes stale. The ledger will not hand it to ``on_free``."""
-        block = operator.index(block_id)
+        block = check_block(block_id)
         def take_back() -> None:
             if block in self._blocks:
                 self._counts["taken_back"] += 1
@@ -229,10 +250,12 @@ class RetentionLedger:
     def sweep(self, now: float | None = None) -> int:
         """Expire due handles and time out due claims; returns the handles expired. Cost: O(log n) per entry
         due, O(1) when nothing is due, whatever the number of live handles."""
-        return self._call(lambda: self._sweep(self._clock() if now is None else now))
+        due = None if now is None else check_time("now", now)
+        return self._call(lambda: self._sweep(self._clock() if due is None else due))
 
     def get(self, handle_id: str) -> KVHandle | None:
         """The live handle as it would be issued now (remaining TTL), or None."""
+        check_id("handle_id", handle_id)
         def look() -> KVHandle | None:
             now = self._clock()
             handle = self._handles.get(handle_id)
@@ -245,6 +268,7 @@ class RetentionLedger:
         return self._call(look)
 
     def generation(self, block_id: int) -> int:
+        block_id = check_block(block_id)
         with self._lock:
             return self._gen.get(block_id, 0)
 
@@ -294,10 +318,10 @@ class RetentionLedger:
     def _retain(self, request_id: str, ids: tuple[int, ...], digs: tuple[bytes, ...], num_tokens: int,
                 block_size: int, tp_size: int, conversation_id: str | None, ttl: float) -> KVHandle:
         now = self._clock()
-        handle = _Handle(secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens, block_size,
+        handle = _Retained(secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens, block_size,
                          tp_size, now + ttl)
         new = sum(1 for b in ids if b not in self._blocks)
-        superseded: list[_Handle] = []
+        superseded: list[_Retained] = []
         for k, b in enumerate(ids):  # attach first, so that no block of this request can be freed under us
             record = self._blocks.get(b)
             if record is not None and not _extends(record, k, digs[k], handle.valid(k)):
@@ -343,13 +367,13 @@ class RetentionLedger:
         handle = self._live(handle_id, now, count=True)
         count = len(handle.block_ids)
         if generation != handle.generation:
-            self._tampered(handle_id, f"generation {generation} presented, {handle.generation} issued")
+            self._tampered(handle_id, f"generation {shown(generation)} presented, {handle.generation} issued")
         if ids is not None:
-            if not ids or ids != handle.block_ids[: len(ids)]:
+            if not ids or not _equal(ids, handle.block_ids[: len(ids)]):
                 self._tampered(handle_id, "block ids are not the issued ones or a prefix of them")
             count = len(ids)
         if digs is not None:
-            if not digs or digs != handle.digests[: len(digs)] or (ids is not None and len(digs) != count):
+            if not digs or not _equal(digs, handle.digests[: len(digs)]) or (ids is not None and len(digs) != count):
                 self._tampered(handle_id, "digests are not the issued ones")
             count = len(digs)
         if self.mode == "use_once" and handle.claims:
@@ -427,7 +451,7 @@ class RetentionLedger:
                 expired += 1
         return expired
 
-    def _live(self, handle_id: str, now: float, *, count: bool) -> _Handle:
+    def _live(self, handle_id: str, now: float, *, count: bool) -> _Retained:
         handle = self._handles.get(handle_id)
         if handle is None:
             reason = self._ended_handles.get(handle_id, "unknown")
@@ -447,7 +471,7 @@ class RetentionLedger:
         self._refusals["tampered"] += 1
         raise TamperedHandleError(handle_id, detail)
 
-    def _end(self, handle: _Handle, reason: str, *, in_heap: bool = True) -> None:
+    def _end(self, handle: _Retained, reason: str, *, in_heap: bool = True) -> None:
         """The handle can no longer be claimed; its blocks go now, or when its last read in flight ends."""
         handle.ended = reason  # before discard(): a compaction asks whether it is alive
         del self._handles[handle.handle_id]
@@ -467,13 +491,13 @@ class RetentionLedger:
         else:
             self._drop_holds(handle)
 
-    def _drop_holds(self, handle: _Handle) -> None:
+    def _drop_holds(self, handle: _Retained) -> None:
         for b in handle.block_ids:
             record = self._blocks.get(b)
             if record is None:
                 continue  # taken back by the owner already
             try:
-                record.holders.remove(handle)  # identity: _Handle has no __eq__
+                record.holders.remove(handle)  # identity: _Retained has no __eq__
             except ValueError:
                 continue  # the block was taken back and retained anew by someone else
             if not record.holders:
@@ -482,7 +506,7 @@ class RetentionLedger:
                 self._pending.append(b)
                 self._counts["freed_blocks"] += 1
 
-    def _take_back(self, block: int) -> list[_Handle]:
+    def _take_back(self, block: int) -> list[_Retained]:
         """The owner has ``block`` back (or reused it): forget it without on_free. Returns its holders, now stale:
         the caller ends them."""
         self._bump(block)
@@ -493,7 +517,7 @@ class RetentionLedger:
             holder.reused = True
         return record.holders
 
-    def _detach(self, handle: _Handle) -> list[int]:
+    def _detach(self, handle: _Retained) -> list[int]:
         """Undo a refused retain's attach; returns the blocks no one else holds (the caller's to free)."""
         frees = []
         for b in handle.block_ids:
@@ -539,7 +563,7 @@ class RetentionLedger:
             self._draining -= 1
             self._drop_holds(handle)
 
-    def _wire(self, handle: _Handle, now: float, ttl_left: float | None = None) -> KVHandle:
+    def _wire(self, handle: _Retained, now: float, ttl_left: float | None = None) -> KVHandle:
         if ttl_left is None:
             ttl_left = max(0.0, handle.expiry - now)
         issued_at = self._wall_clock()
@@ -547,6 +571,14 @@ class RetentionLedger:
                         block_ids=handle.block_ids, num_tokens=handle.num_tokens, expiry_time=issued_at + ttl_left,
                         tp_size=handle.tp_size, handle_id=handle.handle_id, generation=handle.generation,
                         block_size=handle.block_size, digests=handle.digests, issued_at=issued_at, ttl_s=ttl_left)
+
+
+def _equal(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:
+    """Element-wise equality that never raises: an element with no truth value (an array) is simply not equal."""
+    try:
+        return presented == issued
+    except (TypeError, ValueError):
+        return False
 
 
 def _extends(record: _Block, index: int, digest: bytes, valid: int) -> bool:

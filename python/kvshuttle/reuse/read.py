@@ -78,6 +78,7 @@ class ReuseResult:
     telemetry: TransferTelemetry | None = None
     claim_s: float = 0.0  # claim and confirmation round trips
     total_s: float = 0.0  # the whole reuse read
+    owner_reason: str = ""  # the decode's own reason for a refused claim, e.g. "HandleEvictedError"
 
     @property
     def reused_tokens(self) -> int:
@@ -214,7 +215,8 @@ class ReuseReader:
                     log.debug("kvshuttle: could not report a failed read to %s: %s", handle.host, report)
             failure = Failure.REUSED_MEANWHILE if confirming and isinstance(exc, ClaimRefusedError) \
                 else _failure(exc)
-            return self._failed(decision, started, num_tokens, failure, tuple(local_ids), str(exc), claim_s)
+            return self._failed(decision, started, num_tokens, failure, tuple(local_ids), str(exc), claim_s,
+                                getattr(exc, "reason", ""))
         return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
                            decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
 
@@ -224,11 +226,12 @@ class ReuseReader:
                            (), decision, total_s=time.perf_counter() - started)
 
     def _failed(self, decision: Decision, started: float, num_tokens: int, failure: Failure,
-                invalid: tuple[int, ...], why: str, claim_s: float = 0.0) -> ReuseResult:
+                invalid: tuple[int, ...], why: str, claim_s: float = 0.0, owner_reason: str = "") -> ReuseResult:
         log.info("kvshuttle: recompute, because %s: %s", failure.value, why)
         action: Action = "local" if decision.local_tokens > 0 else "recompute"
         return ReuseResult(action, failure.value, f"recompute, because {why}", num_tokens, decision.local_tokens,
-                           0, invalid, decision, claim_s=claim_s, total_s=time.perf_counter() - started)
+                           0, invalid, decision, claim_s=claim_s, total_s=time.perf_counter() - started,
+                           owner_reason=owner_reason)
 
 
 def _left(deadline: float) -> float:

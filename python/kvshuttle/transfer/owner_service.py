@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core import ops
-from ..core.blocks import as_ids, check_ids
+from ..core.blocks import as_ids, blocks_hold_tokens, check_ids
 from ..core.layout import PagedKVCache
 from ..errors import BlockIdError, KVShuttleError, LayoutError
 from .claims import ClaimAuthority, serve_claim
@@ -32,14 +32,14 @@ def _validate(cache: PagedKVCache, request: dict[str, Any]) -> None:
     """Check a pack request against this cache before reserving anything (named errors)."""
     g = cache.geometry
     ids = check_ids(as_ids(request["ids"]), g.num_blocks, "owner")
-    tokens, per_chunk = int(request["num_tokens"]), int(request["chunk_tokens"])
-    if not (ids.size - 1) * g.block_size < tokens <= ids.size * g.block_size:
+    tokens, per_chunk = request["num_tokens"], request["chunk_tokens"]
+    if not blocks_hold_tokens(int(ids.size), g.block_size, tokens) or tokens == 0:
         raise BlockIdError(f"{ids.size} owner blocks of {g.block_size} tokens cannot hold {tokens} tokens")
     layout = layout_from_wire(request["layout"])
     offset = int(request.get("head_offset", 0))
     if not 0 <= offset <= g.num_heads - layout.num_heads:
         raise LayoutError(f"heads [{offset}, {offset + layout.num_heads}) outside the owner's {g.num_heads}")
-    if per_chunk <= 0 or per_chunk % g.block_size or per_chunk % layout.block_size:
+    if type(per_chunk) is not int or per_chunk <= 0 or per_chunk % g.block_size or per_chunk % layout.block_size:
         raise LayoutError(f"chunk of {per_chunk} tokens is not whole owner blocks and staging units")
 
 
