@@ -25,25 +25,33 @@ def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     local = fa_side(LAYERS, CACHE_BLOCKS, PIECE, base=1 << 40, device=0)
     remote = fa_side(LAYERS, CACHE_BLOCKS, PIECE, base=1 << 46, device=1)
     lids, rids = case_ids(request.param, np.random.default_rng(0), READ, CACHE_BLOCKS)
-    return {"local": local, "remote": remote, "lids": lids, "rids": rids}
+    return {"name": request.param, "local": local, "remote": remote, "lids": lids, "rids": rids}
 
 
 @pytest.mark.skipif(not plan.native_available(), reason="native planner not built")
 def test_plan_native(benchmark: Any, case: dict[str, Any]) -> None:
     result = benchmark(plan.plan_read, case["local"], case["lids"], case["remote"], case["rids"],
                        backend="native")
+    reference = plan.plan_read(case["local"], case["lids"], case["remote"], case["rids"], backend="reference")
+    assert np.array_equal(result.local, reference.local) and np.array_equal(result.remote, reference.remote)
     assert result.num_pieces == 2 * LAYERS * READ
 
 
 def test_plan_reference(benchmark: Any, case: dict[str, Any]) -> None:
-    benchmark(plan.plan_read, case["local"], case["lids"], case["remote"], case["rids"], backend="reference")
+    result = benchmark(plan.plan_read, case["local"], case["lids"], case["remote"], case["rids"],
+                       backend="reference")
+    # Scattered ids merge nothing; contiguous ones merge into one descriptor per region (K and V of each layer).
+    assert result.num_descriptors == (2 * LAYERS * READ if case["name"] == "permuted" else 2 * LAYERS)
+    assert result.total_bytes == 2 * LAYERS * READ * PIECE == int(result.local[:, 1].sum())
 
 
 def test_plan_vllm_style_peer(benchmark: Any, case: dict[str, Any]) -> None:
     local, remote = case["local"], case["remote"]
 
-    def peer() -> None:
-        vllm_style_descriptors(local.plane_bases, case["lids"], local.piece_bytes, local.device_id)
-        vllm_style_descriptors(remote.plane_bases, case["rids"], remote.piece_bytes, remote.device_id)
+    def peer() -> tuple[Any, Any]:
+        return (vllm_style_descriptors(local.plane_bases, case["lids"], local.piece_bytes, local.device_id),
+                vllm_style_descriptors(remote.plane_bases, case["rids"], remote.piece_bytes, remote.device_id))
 
-    benchmark(peer)
+    local_rows, remote_rows = benchmark(peer)
+    assert local_rows.shape == remote_rows.shape == (2 * LAYERS * READ, 3)
+    assert int(local_rows[:, 1].sum()) == 2 * LAYERS * READ * PIECE

@@ -34,6 +34,7 @@ def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     digests = PromptDigests.from_tokens(prompt, BS)
     handle = make_handle(remote, BS)
     return {"name": request.param, "handle": handle, "digests": digests,
+            "mismatch": BLOCKS // 2 if request.param == "edited_middle" else None,
             "prompt_list": [digests.digest(k) for k in range(digests.num_full_blocks)],
             "remote_full": handle.digests[: handle.num_tokens // BS]}
 
@@ -42,12 +43,14 @@ def test_decide(benchmark: Any, case: dict[str, Any]) -> None:
     benchmark.group = f"decide {case['name']}"
     d = benchmark(lambda: decide(case["digests"], local_hit_tokens=0, handle=case["handle"], now_wall=NOW,
                                  config=PolicyConfig()))
-    assert d.action == "fetch"
+    assert d.action == "fetch" and d.mismatch_block == case["mismatch"]
+    assert d.fetch_tokens == (BLOCKS // 2 * BS if case["name"] == "edited_middle" else BLOCKS * BS - 7)
 
 
 def test_naive_loop_peer(benchmark: Any, case: dict[str, Any]) -> None:
     benchmark.group = f"decide {case['name']}"
-    benchmark(naive_first_mismatch, case["remote_full"], case["prompt_list"])
+    found = benchmark(naive_first_mismatch, case["remote_full"], case["prompt_list"])
+    assert found == (case["mismatch"] if case["mismatch"] is not None else len(case["remote_full"]))
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +70,12 @@ def test_digests_numpy(benchmark: Any, tokens: dict[str, Any]) -> None:
 
 
 def test_digests_list(benchmark: Any, tokens: dict[str, Any]) -> None:
-    benchmark(block_digests, tokens["list"], BS)
+    assert benchmark(block_digests, tokens["list"], BS) == block_digests(tokens["array"], BS)
 
 
 def test_digests_vllm_sha256_pickle_peer(benchmark: Any, tokens: dict[str, Any]) -> None:
-    benchmark(vllm_style_digests, tokens["list"], BS)
+    digests = benchmark(vllm_style_digests, tokens["list"], BS)
+    assert len(digests) == BLOCKS and len(set(digests)) == BLOCKS
 
 
 def test_digests_naive_blake2b_peer(benchmark: Any, tokens: dict[str, Any]) -> None:

@@ -52,9 +52,11 @@ def test_claim_complete(benchmark: Any, filled: tuple[RetentionLedger, Clock, li
 
 
 def test_renew(benchmark: Any, filled: tuple[RetentionLedger, Clock, list[str]]) -> None:
-    ledger, _, ids = filled
+    ledger, clock, ids = filled
     picks = itertools.cycle(ids[:: 97])
-    benchmark(lambda: ledger.renew(next(picks)))
+    clock.now = 100.0
+    renewed = benchmark(lambda: ledger.renew(next(picks)))
+    assert renewed.handle_id in ids and renewed.expiry_time >= 100.0 + 1e9 and len(ledger) == LIVE
 
 
 def test_sweep_nothing_due(benchmark: Any, filled: tuple[RetentionLedger, Clock, list[str]]) -> None:
@@ -71,8 +73,8 @@ def test_sweep_k_due(benchmark: Any, filled: tuple[RetentionLedger, Clock, list[
             ledger.retain("r", [next(blocks)], DIGESTS, 16, 16, ttl_s=1.0)
         return (clock.now + 1.0,), {}
 
-    benchmark.pedantic(ledger.sweep, setup=setup, rounds=50)
-    assert len(ledger) == LIVE
+    expired = benchmark.pedantic(ledger.sweep, setup=setup, rounds=50)
+    assert expired == DUE and len(ledger) == LIVE
 
 
 def test_retain_at_full_budget_evicts(benchmark: Any, filled: tuple[RetentionLedger, Clock, list[str]]) -> None:

@@ -3,7 +3,6 @@ the cost model, malformed handles (the property test against an oracle: test_pol
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -26,7 +25,6 @@ from kvshuttle.policy import (
     decide_from_params,
     estimate_clock_offset,
     parse_handle,
-    transfer_cost_inputs,
 )
 
 NOW = 1_700_000_000.0
@@ -495,54 +493,6 @@ def test_cost_model_charges_whole_blocks() -> None:
 def test_bad_config_raises(bad: dict[str, Any]) -> None:
     with pytest.raises(PolicyError):
         PolicyConfig(**bad)
-
-
-def _bench_result(blocks: int, gbps: dict[str, float], shape: str = "qwen3-32b-tp1",
-                  pattern: str = "scattered") -> dict[str, Any]:
-    layers, piece = 8, 16 * 8 * 128 * 2  # as 'kvshuttle bench transfer' allocates Qwen3-32B TP1
-    return {"shape": shape, "pattern": pattern, "layers": layers, "layers_in_model": 64, "blocks": blocks,
-            "bytes": blocks * 2 * layers * piece, "piece_bytes": piece, "gbps": gbps}
-
-
-def _bench(*results: dict[str, Any]) -> dict[str, Any]:
-    return {"bench": "transfer", "results": list(results)}
-
-
-def test_cost_inputs_from_transfer_bench() -> None:
-    bench = _bench(_bench_result(1536, {"direct": 5.5, "direct_prepped": 5.3, "packed": 4.5, "raw_per_block": 9.0}),
-                   _bench_result(1536, {"direct": 10.0, "packed": 4.6}, pattern="contiguous"))
-    inputs = transfer_cost_inputs(bench)
-    assert inputs == {"kv_bytes_per_token": 262144.0, "bandwidth_bytes_per_s": 5.5e9, "transfer_overhead_s": 0.0}
-    assert transfer_cost_inputs(bench, pattern="contiguous")["bandwidth_bytes_per_s"] == 10e9
-    assert transfer_cost_inputs(bench, method="packed")["bandwidth_bytes_per_s"] == 4.5e9
-    assert transfer_cost_inputs(bench, transfer_overhead_s=0.002)["transfer_overhead_s"] == 0.002
-    config = PolicyConfig(kind="cost", prefill_tokens_per_s=20_000.0, **inputs)
-    assert config.kv_bytes_per_token == 64 * 2 * 8 * 128 * 2  # Qwen3-32B: layers x K/V x heads x dim x bf16
-
-
-def test_cost_inputs_fit_overhead_from_two_sizes(tmp_path: Any) -> None:
-    overhead, bandwidth = 0.004, 8e9
-    results = []
-    for blocks in (16, 1536):
-        nbytes = _bench_result(blocks, {})["bytes"]
-        results.append(_bench_result(blocks, {"direct": nbytes / (overhead + nbytes / bandwidth) / 1e9}))
-    small, large = tmp_path / "small.json", tmp_path / "large.json"
-    small.write_text(json.dumps(_bench(results[0])))
-    large.write_text(json.dumps(_bench(results[1])))
-    inputs = transfer_cost_inputs([small, str(large)])
-    assert inputs["transfer_overhead_s"] == pytest.approx(overhead)
-    assert inputs["bandwidth_bytes_per_s"] == pytest.approx(bandwidth)
-
-
-@pytest.mark.parametrize(("bench", "kwargs"), [
-    ({"bench": "pack", "results": []}, {}),
-    (_bench(_bench_result(8, {"direct": 1.0}), _bench_result(8, {"direct": 1.0}, shape="qwen3-32b-tp8")), {}),
-    (_bench(_bench_result(8, {"direct": 1.0})), {"shape": "llama"}),
-    (_bench(_bench_result(8, {"direct": 1.0})), {"method": "packed"}),
-])
-def test_cost_inputs_reject(bench: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    with pytest.raises(PolicyError):
-        transfer_cost_inputs(bench, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------- import

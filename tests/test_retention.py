@@ -706,3 +706,33 @@ def test_expiry_heap_stays_bounded_under_churn() -> None:
     for i in range(6 * COMPACT_MIN):
         env.ledger.release(retain(env, [i]).handle_id)
     assert len(env.ledger._expiry) < 2 * COMPACT_MIN
+
+
+# ------------------------------------------------------------------ an issuer outside the ledger (vLLM)
+def test_retain_with_issued_handle_id_and_generation() -> None:
+    env = make()
+    handle = retain(env, [4, 5], handle_id="issued-by-scheduler-0123", generation=0)
+    assert (handle.handle_id, handle.generation) == ("issued-by-scheduler-0123", 0)
+    claim = env.ledger.claim("issued-by-scheduler-0123", 0, [4, 5], digests([4, 5]))
+    env.ledger.complete(claim.claim_id)
+    with pytest.raises(RetentionArgumentError, match="issued before"):
+        retain(env, [6], handle_id="issued-by-scheduler-0123")
+    with pytest.raises(RetentionArgumentError, match="generation"):
+        retain(env, [7], handle_id="another-id-0123456789", generation=-1)
+
+
+def test_on_release_names_each_request_once_when_its_blocks_are_let_go() -> None:
+    released: list[str] = []
+    env = make(on_release=released.append, budget_blocks=4, ttl_s=10.0, claim_timeout_s=100.0)
+    first = env.ledger.retain("r1", [1, 2], digests([1, 2]), 2 * BS, BS)
+    env.ledger.retain("r2", [1, 2, 3], digests([1, 2, 3]), 3 * BS, BS)  # shares r1's blocks
+    assert env.ledger.release(first.handle_id) and released == ["r1"]  # r1 let go; blocks 1, 2 live on in r2
+    assert env.owner.freed == []  # no block freed: r2 still holds them all
+    third = env.ledger.retain("r3", [8, 9], digests([8, 9]), 2 * BS, BS)  # budget 4: evicts r2
+    assert released == ["r1", "r2"]
+    claim = env.ledger.claim(third.handle_id, third.generation)
+    advance(env, 20.0)
+    env.ledger.sweep()  # expired, but a read is in flight: the blocks stay until it ends
+    assert released == ["r1", "r2"]
+    env.ledger.abort(claim.claim_id)
+    assert released == ["r1", "r2", "r3"]

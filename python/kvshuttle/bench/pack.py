@@ -2,11 +2,21 @@
 
 Shapes come from Qwen3-32B (64 layers, 8 KV heads, head 128, bf16, block 16) and its TP8 shard (1 KV head).
 On the CPU the layer count is scaled down (default 16) so caches fit comfortably; the result says so.
+
+The five methods (pack, unpack, copy, peer_pack, peer_unpack) are interleaved round by round (see
+:func:`~kvshuttle.bench.timing.interleaved_rounds`); each ratio is the median of the ratios measured within a
+round, with their spread. On a GPU each round enqueues ``--batch`` calls back to back and synchronizes once
+(end-to-end time, host included), then times the same batch with CUDA events queued behind a device sleep, so
+the host's enqueueing leaves no gaps between the calls: ``kernel_seconds`` is the device's own time.
+After timing, the bytes are checked: staging against the peer's gather, the cache after unpacking into
+zeroed blocks against the peer, and the memcpy copy against staging.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +25,12 @@ import numpy.typing as npt
 
 from ..core import ops
 from ..core.layout import CacheKind, PagedKVCache
-from .timing import batched_seconds, gbps, median_seconds, ratio
+from .schema import envelope
+from .timing import gbps, interleaved_rounds, medians, speedups
+
+METHODS = ("pack", "unpack", "copy", "peer_pack", "peer_unpack")
+PAIRS = {"pack_vs_copy": ("pack", "copy"), "unpack_vs_copy": ("unpack", "copy"),
+         "pack_vs_peer": ("pack", "peer_pack"), "unpack_vs_peer": ("unpack", "peer_unpack")}
 
 
 @dataclass(frozen=True)
@@ -42,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=1536, help="blocks moved (1,536 = 24k tokens)")
     parser.add_argument("--spare-blocks", type=int, default=512, help="extra cache blocks not moved")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: usable cores)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5, help="timed rounds (methods interleaved)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="calls per method per round, back to back (default: 1 on cpu, 20 on cuda)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -52,25 +69,34 @@ def _random_bytes(rng: np.random.Generator, shape: tuple[int, ...], itemsize: in
     return words.view(np.uint8)[: int(np.prod(shape)) * itemsize].view(dtype).reshape(shape)
 
 
-def _result(shape: ModelShape, layers: int, nbytes: int, pieces: int, times: dict[str, float],
-            device: str, threads: int) -> dict[str, Any]:
-    rates = {name: round(gbps(nbytes, t), 3) for name, t in times.items()}
-    return {
-        "shape": shape.name,
-        "device": device,
-        "layers": layers,
-        "layers_in_model": shape.layers,
-        "blocks": pieces // (2 * layers),
-        "bytes": nbytes,
-        "pieces": pieces,
-        "bytes_per_piece": nbytes // pieces,
-        "threads": threads,
-        "gbps": rates,
-        "pack_vs_copy": ratio(rates["pack"], rates["copy"]),
-        "unpack_vs_copy": ratio(rates["unpack"], rates["copy"]),
-        "pack_vs_peer": ratio(rates["pack"], rates["peer_pack"]),
-        "unpack_vs_peer": ratio(rates["unpack"], rates["peer_unpack"]),
+def _sig(seconds: float) -> float:
+    return float(f"{seconds:.6g}")
+
+
+def _result(shape: ModelShape, layers: int, blocks: int, nbytes: int, samples: dict[str, list[float]],
+            device: str, threads: int, batch: int, verified: bool,
+            kernel: dict[str, list[float]] | None = None) -> dict[str, Any]:
+    times = medians(samples)
+    ratios, spreads = speedups(samples, PAIRS)
+    pieces = blocks * layers * 2
+    out: dict[str, Any] = {
+        "shape": shape.name, "device": device, "layers": layers, "layers_in_model": shape.layers,
+        "blocks": blocks, "bytes": nbytes, "pieces": pieces, "bytes_per_piece": nbytes // pieces,
+        "threads": threads, "rounds": len(samples["pack"]), "batch": batch,
+        "seconds": {name: _sig(t) for name, t in times.items()},
+        "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
+        **ratios,
+        "ratio_spread": spreads,
+        "verified": verified,
     }
+    if kernel is not None:
+        k_times = medians(kernel)
+        k_ratios, k_spreads = speedups(kernel, PAIRS)
+        out["kernel_seconds"] = {name: _sig(t) for name, t in k_times.items()}
+        out["kernel_gbps"] = {name: round(gbps(nbytes, t), 3) for name, t in k_times.items()}
+        out.update({f"{name}_kernel": v for name, v in k_ratios.items()})
+        out["ratio_spread"].update({f"{name}_kernel": v for name, v in k_spreads.items()})
+    return out
 
 
 def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
@@ -99,19 +125,74 @@ def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
             kv[:, ids] = peer[layer]
 
     src_addr, dst_addr = staging.ctypes.data, copy_dst.ctypes.data
-    times = {
-        "pack": median_seconds(lambda: ops.pack(cache, ids, staging), args.repeat),
-        "unpack": median_seconds(lambda: ops.unpack(staging, cache, ids), args.repeat),
-        "copy": median_seconds(lambda: _native.parallel_memcpy(dst_addr, src_addr, nbytes), args.repeat),
-        "peer_pack": median_seconds(peer_pack, args.repeat),
-        "peer_unpack": median_seconds(peer_unpack, args.repeat),
+    fns: dict[str, Callable[[], object]] = {
+        "pack": lambda: ops.pack(cache, ids, staging),
+        "unpack": lambda: ops.unpack(staging, cache, ids),
+        "copy": lambda: _native.parallel_memcpy(dst_addr, src_addr, nbytes),
+        "peer_pack": peer_pack,
+        "peer_unpack": peer_unpack,
     }
-    if not np.array_equal(copy_dst, staging):
-        raise AssertionError("memcpy baseline mismatch")
-    return _result(shape, layers, nbytes, args.blocks * layers * 2, times, "cpu", _native.num_threads())
+    batch = args.batch or 1
+    samples = interleaved_rounds(fns, args.repeat, number=batch)
+
+    # Bytes checked after timing: staging = the peer's gather; unpack into zeroed blocks restores them.
+    ops.pack(cache, ids, staging)
+    peer_pack()
+    staged = staging.view(caches[0].dtype).reshape(args.blocks, layers, *kv_shape[:1], *kv_shape[2:])
+    ok = all(np.array_equal(staged[:, layer], np.moveaxis(peer[layer], 1, 0)) for layer in range(layers))
+    for kv in caches:
+        kv[:, ids] = 0
+    ops.unpack(staging, cache, ids)
+    ok = ok and all(np.array_equal(kv[:, ids], peer[layer]) for layer, kv in enumerate(caches))
+    _native.parallel_memcpy(dst_addr, src_addr, nbytes)
+    ok = ok and np.array_equal(copy_dst, staging)
+    if not ok:
+        raise AssertionError(f"{shape.name}: pack, unpack or the memcpy baseline moved the wrong bytes")
+    return _result(shape, layers, args.blocks, nbytes, samples, "cpu", _native.num_threads(), batch, ok)
+
+
+def _device_sleep_rate(torch: Any) -> float:
+    """Cycles per second of ``torch.cuda._sleep`` (0.0 where it is missing: events then include host gaps)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return 0.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 50_000_000
+    start.record()
+    sleep(cycles)
+    end.record()
+    end.synchronize()
+    return float(cycles / (start.elapsed_time(end) / 1e3))
+
+
+def _kernel_rounds(torch: Any, fns: dict[str, Callable[[], object]], e2e: dict[str, list[float]], batch: int,
+                   sleep_rate: float) -> dict[str, list[float]]:
+    """Per round, device seconds per call of each method from CUDA events around a batch of ``batch`` calls.
+
+    The events and the calls are queued behind a device sleep longer than the batch took end to end (the host
+    enqueues it all while the stream is still busy), so the span between the events is device work only:
+    each call's table upload and kernel, without the host's validation and launch gaps.
+    """
+    sleep = getattr(torch.cuda, "_sleep", None)
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for k in range(len(e2e[names[0]])):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            fn = fns[name]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if sleep is not None and sleep_rate > 0:
+                sleep(int(max(e2e[name]) * batch * 1.5 * sleep_rate) + 100_000)
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            out[name].append(start.elapsed_time(end) / 1e3 / batch)
+    return out
 
 
 def _run_cuda(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
+    """Untested on a GPU since the events were added (written without one): check on the first GPU run."""
     import torch
 
     layers = args.layers or shape.layers
@@ -138,37 +219,83 @@ def _run_cuda(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     def device_copy() -> None:
         copy_dst.copy_(staging)
 
-    # Calls are enqueued back to back (host validation overlaps the previous kernel), one sync per batch.
-    sync = torch.cuda.synchronize
-    times = {
-        "pack": batched_seconds(lambda: ops.pack(cache, ids, staging), args.repeat, sync),
-        "unpack": batched_seconds(lambda: ops.unpack(staging, cache, ids), args.repeat, sync),
-        "copy": batched_seconds(device_copy, args.repeat, sync),
-        "peer_pack": batched_seconds(peer_pack, args.repeat, sync),
-        "peer_unpack": batched_seconds(peer_unpack, args.repeat, sync),
+    fns: dict[str, Callable[[], object]] = {
+        "pack": lambda: ops.pack(cache, ids, staging),
+        "unpack": lambda: ops.unpack(staging, cache, ids),
+        "copy": device_copy,
+        "peer_pack": peer_pack,
+        "peer_unpack": peer_unpack,
     }
-    return _result(shape, layers, nbytes, args.blocks * layers * 2, times, "cuda", 0)
+    batch = args.batch or 20
+    # End to end: ``batch`` calls enqueued back to back (host validation overlaps the previous kernel), one sync.
+    samples = interleaved_rounds(fns, args.repeat, number=batch, sync=torch.cuda.synchronize)
+    kernel = _kernel_rounds(torch, fns, samples, batch, _device_sleep_rate(torch))
+
+    ops.pack(cache, ids, staging)
+    peer_pack()
+    torch.cuda.synchronize()
+    staged = staging.view(torch.bfloat16).reshape(args.blocks, layers, *kv_shape[:1], *kv_shape[2:])
+    ok = all(torch.equal(staged[:, layer].view(torch.int16), peer[layer].transpose(0, 1).view(torch.int16))
+             for layer in range(layers))
+    for kv in caches:
+        kv[:, ids_dev] = 0
+    ops.unpack(staging, cache, ids)
+    torch.cuda.synchronize()
+    ok = ok and all(torch.equal(kv[:, ids_dev].view(torch.int16), peer[layer].view(torch.int16))
+                    for layer, kv in enumerate(caches))
+    device_copy()
+    ok = ok and torch.equal(copy_dst, staging)
+    if not ok:
+        raise AssertionError(f"{shape.name}: pack, unpack or the device copy moved the wrong bytes")
+    return _result(shape, layers, args.blocks, nbytes, samples, "cuda", 0, batch, ok, kernel)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the pack benchmark for the chosen shapes; returns one JSON-ready dict."""
+    """Run the pack benchmark for the chosen shapes; returns the :mod:`~kvshuttle.bench.schema` envelope."""
+    started = time.perf_counter()
     names = list(SHAPES) if args.shape == "all" else [args.shape]
-    runner = _run_cuda if args.device == "cuda" else _run_cpu
-    return {"benchmark": "pack", "results": [runner(SHAPES[name], args) for name in names]}
+    gpu = None
+    if args.device == "cuda":
+        import torch
+
+        gpu = str(torch.cuda.get_device_name())
+        results = [_run_cuda(SHAPES[name], args) for name in names]
+        note = (f"{args.repeat} rounds, methods interleaved; per round {args.batch or 20} calls enqueued back to "
+                "back, one sync (end to end); kernel_*: CUDA events around the same batch queued behind a device "
+                "sleep (device time only)")
+    else:
+        results = [_run_cpu(SHAPES[name], args) for name in names]
+        layers = args.layers or 16
+        note = (f"layers scaled to {layers} of the model's 64; {args.repeat} rounds, methods interleaved, "
+                f"{args.batch or 1} call(s) per method per round; ratios: median of per-round ratios")
+    return envelope("pack", args, add_arguments, results, note=note, started=started, gpu=gpu)
+
+
+def _cell(r: dict[str, Any], name: str) -> str:
+    s = r["ratio_spread"][name]
+    if s is None:  # an earlier session's output: a ratio of medians, no rounds kept
+        return f"{r[name]:>5.2f}"
+    return f"{r[name]:>5.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
 
 def format_table(result: dict[str, Any]) -> str:
+    ratios = list(PAIRS)
     lines = [
-        f"{'shape':<15}{'dev':<5}{'layers':>7}{'piece':>8}{'GiB':>7}{'pack':>8}{'unpack':>8}{'copy':>8}"
-        f"{'peer_p':>8}{'peer_u':>8}{'p/copy':>8}{'u/copy':>8}{'p/peer':>8}{'u/peer':>8}"
+        f"{'shape':<15}{'dev':<5}{'layers':>7}{'piece':>7}{'GiB':>6}{'pack':>9}{'unpack':>9}{'copy':>9}"
+        f"{'peer_p':>8}{'peer_u':>8}  " + "".join(f"{name:<19}" for name in ratios)
     ]
     for r in result["results"]:
-        g = r["gbps"]
-        lines.append(
-            f"{r['shape']:<15}{r['device']:<5}{r['layers']:>7}{r['bytes_per_piece']:>8}"
-            f"{r['bytes'] / 2**30:>7.2f}{g['pack']:>8.2f}{g['unpack']:>8.2f}{g['copy']:>8.2f}"
-            f"{g['peer_pack']:>8.2f}{g['peer_unpack']:>8.2f}{r['pack_vs_copy']:>8.2f}{r['unpack_vs_copy']:>8.2f}"
-            f"{r['pack_vs_peer']:>8.2f}{r['unpack_vs_peer']:>8.2f}"
-        )
-    lines.append("GB/s; p/copy = pack / memcpy of the same bytes; p/peer = pack / fancy-indexing peer")
+        for prefix in ("", "kernel_") if "kernel_gbps" in r else ("",):
+            g = r[f"{prefix}gbps"]
+            suffix = "_kernel" if prefix else ""
+            lines.append(
+                f"{r['shape']:<15}{r['device'] + ('/k' if prefix else ''):<5}{r['layers']:>7}"
+                f"{r['bytes_per_piece']:>7}{r['bytes'] / 2**30:>6.2f}{g['pack']:>9.2f}{g['unpack']:>9.2f}"
+                f"{g['copy']:>9.2f}{g['peer_pack']:>8.2f}{g['peer_unpack']:>8.2f}  "
+                + "".join(f"{_cell(r, name + suffix):<19}" for name in ratios)
+            )
+    lines.append("GB/s (median per method); pack_vs_copy = pack speed / memcpy (GPU: device copy) of the same bytes, "
+                 "pack_vs_peer = pack / fancy-indexing peer: median of per-round ratios (min-max); cuda/k = "
+                 "kernel time from CUDA events")
+    lines.append(result["note"])
     return "\n".join(lines)

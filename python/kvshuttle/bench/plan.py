@@ -8,7 +8,7 @@ layers x K/V = 128 regions, 32 KiB pieces, 24k tokens = 1,536 blocks read = 196,
 
 The peer builds the arrays the way vLLM's NixlConnector does with numpy (``_build_fa_local`` /
 ``_stack_descs`` addresses ``base + block_id * block_len`` per region, region-major as in
-``_compute_desc_ids``): one descriptor per block per layer per K/V, no coalescing. ``vllm_desc_ids_ms``
+``_compute_desc_ids``): one descriptor per block per layer per K/V, no coalescing. ``vllm_desc_ids``
 is what vLLM itself computes per request once its full lists are prepared at the handshake (indices only;
 NIXL then builds the descriptors in C++): context, not the compared peer.
 """
@@ -16,13 +16,15 @@ NIXL then builds the descriptors in C++): context, not the compared peer.
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ..core import plan
-from .timing import median_seconds, ratio
+from .schema import envelope
+from .timing import interleaved_rounds, medians, speedups
 
 U64 = npt.NDArray[np.uint64]
 Ids = npt.NDArray[np.int64]
@@ -97,55 +99,51 @@ def _run_case(case: str, args: argparse.Namespace, local: plan.SideGeometry, rem
         vllm_desc_ids(lids, local.num_planes, local.num_blocks)
         vllm_desc_ids(rids, remote.num_planes, remote.num_blocks)
 
-    times = {
-        "native": median_seconds(lambda: plan.plan_read(local, lids, remote, rids, backend=backend),
-                                 args.repeat),
-        "reference": median_seconds(lambda: plan.plan_read(local, lids, remote, rids, backend="reference"),
-                                    max(3, args.repeat // 10)),
-        "peer": median_seconds(peer, args.repeat),
-        "desc_ids": median_seconds(desc_ids, args.repeat),
-    }
+    samples = interleaved_rounds({
+        "native": lambda: plan.plan_read(local, lids, remote, rids, backend=backend),
+        "peer": peer,
+        "reference": lambda: plan.plan_read(local, lids, remote, rids, backend="reference"),
+        "vllm_desc_ids": desc_ids,
+    }, args.repeat)
+    ratios, spreads = speedups(samples, {"native_vs_peer": ("native", "peer"),
+                                         "native_vs_reference": ("native", "reference")})
+    descriptors = {"native": result.num_descriptors, "peer": int(peer_rows.shape[0])}
     return {
         "case": case,
         "pieces": result.num_pieces,
-        "descriptors": result.num_descriptors,
-        "peer_descriptors": int(peer_rows.shape[0]),
         "bytes": result.total_bytes,
-        "bytes_per_descriptor": round(result.bytes_per_descriptor, 1),
-        "native_ms": round(times["native"] * 1e3, 4),
-        "reference_ms": round(times["reference"] * 1e3, 4),
-        "peer_ms": round(times["peer"] * 1e3, 4),
-        "ratio": ratio(times["peer"], times["native"]),  # peer time / native time
-        "vllm_desc_ids_ms": round(times["desc_ids"] * 1e3, 4),
+        "descriptors": descriptors,
+        "bytes_per_descriptor": {k: round(result.total_bytes / v, 1) for k, v in descriptors.items()},
+        "rounds": args.repeat,
+        "seconds": {k: float(f"{v:.6g}") for k, v in medians(samples).items()},
+        **ratios,
+        "ratio_spread": spreads,
+        "verified": same,
     }
 
 
 def warm_allocator(nbytes: int = 16 << 20) -> None:
     """Free one large allocation: glibc then raises its mmap threshold (up to 32 MiB) and serves the
     peer's multi-MB arrays from the heap instead of fresh, page-faulting mappings. This is the peer's
-    steady state in a long-running server and its best case (cold, it pays ~4x more in page faults);
+    steady state in a long-running server and its best case (cold, it pays page faults on every call);
     the native planner keeps its row buffers mapped either way."""
     np.empty(nbytes, dtype=np.uint8)
 
 
 def run_plan_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Plan permuted and contiguous reads natively and with the peer; returns one JSON-ready dict."""
+    """Plan permuted and contiguous reads natively and with the peer; returns the schema envelope."""
+    started = time.perf_counter()
     warm_allocator()
     rng = np.random.default_rng(args.seed)
     local = fa_side(args.layers, args.cache_blocks, args.piece_bytes, base=1 << 40, device=0)
     remote = fa_side(args.layers, args.cache_blocks, args.piece_bytes, base=1 << 46, device=1)
-    return {
-        "benchmark": "plan",
-        "native": plan.native_available(),
-        "layout": "flash_attn",
-        "layers": args.layers,
-        "regions": local.num_planes,
-        "blocks": args.blocks,
-        "cache_blocks": args.cache_blocks,
-        "piece_bytes": args.piece_bytes,
-        "repeat": args.repeat,
-        "results": [_run_case(case, args, local, remote, rng) for case in ("permuted", "contiguous")],
-    }
+    results = [_run_case(case, args, local, remote, rng) for case in ("permuted", "contiguous")]
+    native = "native planner" if plan.native_available() else "NOT BUILT: 'native' timed the numpy reference"
+    note = (f"flash_attn, {args.layers} layers x K/V = {local.num_planes} regions, {args.blocks} blocks read of "
+            f"{args.cache_blocks}, {args.piece_bytes} B pieces; {args.repeat} rounds, methods interleaved; "
+            f"peer: vLLM-style numpy Nx3 builder, both sides; {native}")
+    return envelope("plan", args, add_arguments, results, note=note, started=started,
+                    summary={"native": plan.native_available(), "regions": local.num_planes})
 
 
 run = run_plan_bench
@@ -153,20 +151,18 @@ run = run_plan_bench
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"{'case':<12}{'pieces':>9}{'descs':>9}{'B/desc':>11}{'native ms':>11}{'peer ms':>10}{'ratio':>8}"
-        f"{'ref ms':>9}{'ids ms':>9}"
+        f"{'case':<12}{'pieces':>9}{'descs':>9}{'B/desc':>11}{'native ms':>11}{'peer ms':>10}"
+        f"{'native_vs_peer':>22}{'ref ms':>9}{'ids ms':>9}"
     ]
     for r in result["results"]:
+        t, s = r["seconds"], r["ratio_spread"]["native_vs_peer"]
+        spread = f"{r['native_vs_peer']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
         lines.append(
-            f"{r['case']:<12}{r['pieces']:>9}{r['descriptors']:>9}{r['bytes_per_descriptor']:>11.0f}"
-            f"{r['native_ms']:>11.3f}{r['peer_ms']:>10.3f}{r['ratio']:>8.1f}{r['reference_ms']:>9.3f}"
-            f"{r['vllm_desc_ids_ms']:>9.3f}"
+            f"{r['case']:<12}{r['pieces']:>9}{r['descriptors']['native']:>9}"
+            f"{r['bytes_per_descriptor']['native']:>11.0f}{t['native'] * 1e3:>11.3f}{t['peer'] * 1e3:>10.3f}"
+            f"{spread:>22}{t['reference'] * 1e3:>9.3f}{t['vllm_desc_ids'] * 1e3:>9.3f}"
         )
-    lines.append(
-        f"{result['layers']} layers x K/V, {result['blocks']} blocks read of {result['cache_blocks']}, "
-        f"{result['piece_bytes']} B pieces; medians of {result['repeat']}; ratio = peer / native "
-        "(peer: vLLM-style numpy Nx3 builder, both sides); ids ms = vLLM's per-request desc-id math"
-    )
-    if not result["native"]:
-        lines.append("native planner not built: 'native' timed the numpy reference")
+    lines.append("medians; native_vs_peer = peer time / native time, median of per-round ratios (min-max); "
+                 "ids ms = vLLM's per-request desc-id math")
+    lines.append(result["note"])
     return "\n".join(lines)

@@ -7,7 +7,7 @@ Two measurements, both at 24k tokens (1,536 blocks of 16) by default:
   is found) and a local hit over half the prompt. The peer is the per-block Python comparison loop that finds
   the first mismatch (the verification step alone: a lower bound for a decide built on it). Context, not
   compared: ``decide`` from raw token ids (digesting included) and parsing the handle from its wire form.
-* ``digests``: :func:`kvshuttle.digests.block_digests` per block from a numpy array and from a Python list.
+* ``digests``: :func:`kvshuttle.policy.digests.block_digests` per block from a numpy array and from a Python list.
   Peers: vLLM's default prefix-cache hash (``sha256(pickle.dumps((parent, tuple(block_tokens), extra)))`` per
   block from a Python list) and a naive blake2b (encode each block's list slice, a fresh hasher per block).
 
@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import pickle
-import platform
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +27,8 @@ import numpy as np
 from ..policy.decision import Decision, PolicyConfig, decide, parse_handle
 from ..policy.digests import PERSON, PromptDigests, block_digests
 from ..policy.kv_handle import KVHandle
-from .timing import median_seconds, ratio
+from .schema import envelope
+from .timing import interleaved_rounds, medians, speedups
 
 DECIDE_TARGET_US = 50.0
 DIGEST_TARGET_NS = 1000.0
@@ -41,18 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=1536, help="remote blocks (1,536 = 24k tokens at 16)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=200, help="tokens of the new turn after D's")
-    parser.add_argument("--repeat", type=int, default=15, help="timed samples (median reported)")
-    parser.add_argument("--number", type=int, default=200, help="decide() calls per sample")
+    parser.add_argument("--repeat", type=int, default=15, help="timed rounds (methods interleaved)")
+    parser.add_argument("--number", type=int, default=200, help="decide() calls per method per round")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def per_call(fn: Callable[[], object], number: int, repeat: int) -> float:
-    """Median seconds per call over ``repeat`` samples of ``number`` back-to-back calls."""
-    def sample() -> None:
-        for _ in range(number):
-            fn()
-
-    return median_seconds(sample, repeat) / number
 
 
 def make_handle(remote: np.ndarray[Any, Any], block_size: int, expiry_in: float = 300.0) -> KVHandle:
@@ -99,6 +88,14 @@ def naive_blake2b_digests(tokens: list[int], block_size: int) -> list[bytes]:
     return out
 
 
+def _us(seconds: float) -> float:
+    return round(seconds * 1e6, 2)
+
+
+def _sig(seconds: float) -> float:
+    return float(f"{seconds:.6g}")
+
+
 def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[dict[str, Any]]:
     bs = args.block_size
     remote = rng.integers(0, 150_000, size=args.blocks * bs - 7)  # a partial last block, as D usually has
@@ -125,30 +122,35 @@ def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[di
         expected = (args.blocks // 2) if name == "edited_middle" else len(remote_full)
         if peer() != expected:
             raise AssertionError(f"{name}: the peer found a mismatch at {peer()}, expected {expected}")
-        t_ours = per_call(ours, args.number, args.repeat)
-        t_peer = per_call(peer, args.number, args.repeat)
+        if decision.action != "fetch" or (name == "edited_middle") != (decision.mismatch_block == expected):
+            raise AssertionError(f"{name}: unexpected decision {decision}")
+        samples = interleaved_rounds({"decide": ours, "naive_loop": peer}, args.repeat, number=args.number)
+        ratios, spreads = speedups(samples, {"decide_vs_naive_loop": ("decide", "naive_loop")})
+        times = medians(samples)
         out.append({
             "case": name, "blocks": args.blocks, "action": decision.action, "reason": decision.reason.value,
             "fetch_tokens": decision.fetch_tokens, "mismatch_block": decision.mismatch_block,
-            "decide_us": round(t_ours * 1e6, 2), "naive_loop_us": round(t_peer * 1e6, 2),
-            "naive_over_decide": ratio(t_peer, t_ours),
-            "meets_target": t_ours * 1e6 <= DECIDE_TARGET_US,
+            "rounds": args.repeat, "number": args.number,
+            "seconds": {k: _sig(v) for k, v in times.items()},
+            **ratios, "ratio_spread": spreads,
+            "meets_target": times["decide"] * 1e6 <= DECIDE_TARGET_US, "verified": True,
         })
     out.append(_decide_and_claim(args, remote, prompt, config))
     raw_number = max(3, args.number // 50)
-    out.append({
-        "case": "context", "blocks": args.blocks,
-        "decide_from_tokens_us": round(per_call(
-            lambda: decide(prompt, local_hit_tokens=0, handle=handle, now_wall=NOW, config=config),
-            raw_number, args.repeat) * 1e6, 1),
-        "parse_handle_us": round(per_call(lambda: parse_handle(params), raw_number, args.repeat) * 1e6, 1),
-    })
+    context = medians(interleaved_rounds({
+        "decide_from_tokens": lambda: decide(prompt, local_hit_tokens=0, handle=handle, now_wall=NOW, config=config),
+        "parse_handle": lambda: parse_handle(params),
+    }, args.repeat, number=raw_number))
+    out.append({"case": "context", "blocks": args.blocks, "rounds": args.repeat, "number": raw_number,
+                "seconds": {k: _sig(v) for k, v in context.items()}})
     return out
 
 
 def _decide_and_claim(args: argparse.Namespace, remote: np.ndarray[Any, Any], prompt: np.ndarray[Any, Any],
                       config: PolicyConfig) -> dict[str, Any]:
-    """One request's whole bookkeeping: decide, then the decode ledger's claim and complete (digests excluded)."""
+    """One request's whole bookkeeping: decide, then the decode ledger's claim and complete (digests excluded).
+
+    ``decide`` and ``claim_complete`` alone are timed in the same rounds (what the request is made of)."""
     from ..retention import RetentionLedger
 
     bs = args.block_size
@@ -156,16 +158,31 @@ def _decide_and_claim(args: argparse.Namespace, remote: np.ndarray[Any, Any], pr
     handle = ledger.retain("r", range(len(remote) // bs + 1), block_digests(remote, bs), len(remote), bs)
     digests = PromptDigests.from_tokens(prompt, bs)
 
-    def request() -> None:
-        decision = decide(digests, local_hit_tokens=0, handle=handle, now_wall=handle.issued_at, config=config)
-        count = len(decision.fetch_blocks)
+    def decide_only() -> Decision:
+        return decide(digests, local_hit_tokens=0, handle=handle, now_wall=handle.issued_at, config=config)
+
+    count = len(decide_only().fetch_blocks)
+
+    def claim_complete(count: int) -> None:
         claim = ledger.claim(handle.handle_id, handle.generation, handle.block_ids[:count], handle.digests[:count])
         ledger.complete(claim.claim_id)
 
-    t = per_call(request, args.number, args.repeat)
+    def request() -> None:
+        claim_complete(len(decide_only().fetch_blocks))
+
+    request()
+    samples = interleaved_rounds({"decide+claim+complete": request, "decide": decide_only,
+                                  "claim+complete": lambda: claim_complete(count)}, args.repeat, number=args.number)
+    times = medians(samples)
+    hits = ledger.metrics()["hits"]
     return {"case": "decide+claim+complete", "blocks": args.blocks, "action": "fetch", "reason": "fetch",
-            "fetch_tokens": 0, "mismatch_block": None, "decide_us": round(t * 1e6, 2), "naive_loop_us": 0.0,
-            "naive_over_decide": 0.0, "meets_target": t * 1e6 <= DECIDE_TARGET_US}
+            "fetch_tokens": count * bs, "mismatch_block": None, "rounds": args.repeat, "number": args.number,
+            "seconds": {k: _sig(v) for k, v in times.items()},
+            "meets_target": times["decide+claim+complete"] * 1e6 <= DECIDE_TARGET_US, "verified": hits > 0}
+
+
+DIGEST_PAIRS = {"ours_numpy_vs_vllm_sha256_pickle": ("ours_numpy", "vllm_sha256_pickle"),
+                "ours_numpy_vs_naive_blake2b": ("ours_numpy", "naive_blake2b")}
 
 
 def _digest_case(args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
@@ -174,51 +191,58 @@ def _digest_case(args: argparse.Namespace, rng: np.random.Generator) -> dict[str
     lst = arr.tolist()
     blocks = args.blocks
     repeat = max(5, args.repeat // 2)
-    if naive_blake2b_digests(lst, bs) != block_digests(arr, bs):
-        raise AssertionError("the naive blake2b peer computes a different chain")
-    times = {
-        "ours_numpy": median_seconds(lambda: block_digests(arr, bs), repeat),
-        "ours_list": median_seconds(lambda: block_digests(lst, bs), repeat),
-        "vllm_sha256_pickle": median_seconds(lambda: vllm_style_digests(lst, bs), repeat),
-        "naive_blake2b": median_seconds(lambda: naive_blake2b_digests(lst, bs), repeat),
-    }
+    if naive_blake2b_digests(lst, bs) != block_digests(arr, bs) or block_digests(lst, bs) != block_digests(arr, bs):
+        raise AssertionError("the naive blake2b peer or the list input computes a different chain")
+    samples = interleaved_rounds({
+        "ours_numpy": lambda: block_digests(arr, bs),
+        "ours_list": lambda: block_digests(lst, bs),
+        "vllm_sha256_pickle": lambda: vllm_style_digests(lst, bs),
+        "naive_blake2b": lambda: naive_blake2b_digests(lst, bs),
+    }, repeat)
+    times = medians(samples)
+    ratios, spreads = speedups(samples, DIGEST_PAIRS)
     ns = {name: round(t / blocks * 1e9, 1) for name, t in times.items()}
     return {
-        "block_size": bs, "blocks": blocks, "ns_per_block": ns,
-        "vllm_over_ours": ratio(times["vllm_sha256_pickle"], times["ours_numpy"]),
-        "naive_over_ours": ratio(times["naive_blake2b"], times["ours_numpy"]),
-        "meets_target": ns["ours_numpy"] <= DIGEST_TARGET_NS,
+        "case": "digest_chain", "block_size": bs, "blocks": blocks, "rounds": repeat, "number": 1,
+        "seconds": {k: _sig(v) for k, v in times.items()}, "ns_per_block": ns,
+        **ratios, "ratio_spread": spreads,
+        "meets_target": ns["ours_numpy"] <= DIGEST_TARGET_NS, "verified": True,
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    start = time.perf_counter()
+    started = time.perf_counter()
     rng = np.random.default_rng(args.seed)
-    return {
-        "bench": "policy",
-        "cpus": os.cpu_count(), "python": platform.python_version(), "machine": platform.machine(),
-        "targets": {"decide_us": DECIDE_TARGET_US, "digest_ns_per_block": DIGEST_TARGET_NS},
-        "decide": _decide_cases(args, rng),
-        "digests": _digest_case(args, rng),
-        "note": f"medians of {args.repeat} samples; decide: {args.number} calls per sample; "
-                "naive_loop = the per-block Python comparison alone (a lower bound for a decide built on it)",
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    results = [*_decide_cases(args, rng), _digest_case(args, rng)]
+    note = (f"{args.repeat} rounds, methods interleaved; decide: {args.number} calls per round; seconds per call; "
+            "naive_loop = the per-block Python comparison alone (a lower bound for a decide built on it)")
+    summary = {"targets": {"decide_us": DECIDE_TARGET_US, "digest_ns_per_block": DIGEST_TARGET_NS},
+               "meets_targets": all(r["meets_target"] for r in results if "meets_target" in r)}
+    return envelope("policy", args, add_arguments, results, note=note, started=started, summary=summary)
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{'case':15} {'blocks':>6} {'action':>9} {'decide us':>10} {'naive loop us':>14} {'naive/decide':>13}"]
-    for r in result["decide"]:
+    lines = [f"{'case':22} {'blocks':>6} {'action':>7} {'decide us':>10} {'naive loop us':>14} "
+             f"{'decide_vs_naive_loop':>22}"]
+    for r in result["results"]:
+        t = r["seconds"]
         if r["case"] == "context":
-            lines.append(f"decide from token ids (digesting included): {r['decide_from_tokens_us']} us; "
-                         f"parse_handle: {r['parse_handle_us']} us")
-            continue
-        lines.append(f"{r['case']:15} {r['blocks']:>6} {r['action']:>9} {r['decide_us']:>10.2f} "
-                     f"{r['naive_loop_us']:>14.2f} {r['naive_over_decide']:>13.2f}")
-    d = result["digests"]
-    lines.append(f"digests, ns per {d['block_size']}-token block: " + ", ".join(
-        f"{k} {v}" for k, v in d["ns_per_block"].items())
-        + f"; vLLM-style/ours {d['vllm_over_ours']}, naive/ours {d['naive_over_ours']}")
-    lines.append(f"targets: decide <= {result['targets']['decide_us']} us, digest <= "
-                 f"{result['targets']['digest_ns_per_block']} ns/block; {result['cpus']} CPUs; {result['note']}")
+            lines.append(f"decide from token ids (digesting included): {_us(t['decide_from_tokens'])} us; "
+                         f"parse_handle: {_us(t['parse_handle'])} us")
+        elif r["case"] == "decide+claim+complete":
+            lines.append(f"{r['case']:22} {r['blocks']:>6} {r['action']:>7} {_us(t['decide+claim+complete']):>10.2f}"
+                         f"   (decide {_us(t['decide'])} us + claim+complete {_us(t['claim+complete'])} us, "
+                         "timed alone in the same rounds)")
+        elif r["case"] == "digest_chain":
+            lines.append(f"digests, ns per {r['block_size']}-token block: " + ", ".join(
+                f"{k} {v}" for k, v in r["ns_per_block"].items()) + "; " + ", ".join(
+                f"{p} {r[p]:.2f}" for p in DIGEST_PAIRS))
+        else:
+            sp = r["ratio_spread"]["decide_vs_naive_loop"]
+            cell = f"{r['decide_vs_naive_loop']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
+            lines.append(f"{r['case']:22} {r['blocks']:>6} {r['action']:>7} {_us(t['decide']):>10.2f} "
+                         f"{_us(t['naive_loop']):>14.2f} {cell:>22}")
+    targets = result["summary"]["targets"]
+    lines.append(f"targets: decide <= {targets['decide_us']} us, digest <= {targets['digest_ns_per_block']} ns/block; "
+                 f"met: {result['summary']['meets_targets']}; {result['machine']['cpus']} CPUs; {result['note']}")
     return "\n".join(lines)

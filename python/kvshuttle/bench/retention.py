@@ -10,10 +10,10 @@ is timed over ``--ops`` calls on random live handles, median of ``--repeat`` rou
 * sweep_due: one sweep that expires ``--due`` handles retained with a short TTL (O(k log n)), also per handle;
 * retain_evict: a retain at a full budget, evicting the least recently touched handle.
 
-The growth check is the ratio largest/smallest per operation, next to what O(log n) predicts
-(``log n_max / log n_min``, 1.5 for 1M/10k) and what O(n) would (100). Objects built before timing are moved out of
-the cyclic GC's way with ``gc.freeze()`` (``--gc normal`` to keep it): a full collection walks every live object,
-which is the interpreter's cost, not the ledger's.
+The growth check (``summary.growth``) is the time ratio largest/smallest size per operation, next to what
+O(log n) predicts (``log n_max / log n_min``, 1.5 for 1M/10k) and what O(n) would (100). Objects built before
+timing are moved out of the cyclic GC's way with ``gc.freeze()`` (``--gc normal`` to keep it): a full collection
+walks every live object, which is the interpreter's cost, not the ledger's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..retention import RetentionLedger
+from .schema import envelope
 
 DIGEST = b"0123456789abcdef"
 
@@ -128,27 +129,30 @@ def _measure_size(n: int, args: argparse.Namespace, rng: np.random.Generator) ->
                 raise AssertionError(f"sweep expired {expired} handles, {args.due} were due")
         return statistics.median(rounds[1:]) * 1e6
 
-    result: dict[str, Any] = {"live_handles": n, "build_s": round(build_s, 3)}
-    result["retain_us"] = timed_retain()
-    result["claim_complete_us"] = _per_op_us(claim_round, ops, args.repeat)
-    result["renew_us"] = _per_op_us(renew_round, ops, args.repeat)
-    result["sweep_idle_us"] = _per_op_us(idle_round, ops, args.repeat)
-    result["sweep_due_us"] = timed_sweep_due()
-    result["sweep_due_per_handle_us"] = result["sweep_due_us"] / args.due
+    times: dict[str, float] = {}
+    times["retain"] = timed_retain()
+    times["claim_complete"] = _per_op_us(claim_round, ops, args.repeat)
+    times["renew"] = _per_op_us(renew_round, ops, args.repeat)
+    times["sweep_idle"] = _per_op_us(idle_round, ops, args.repeat)
+    times["sweep_due"] = timed_sweep_due()
+    times["sweep_due_per_handle"] = times["sweep_due"] / args.due
     ledger.budget_blocks = len(ledger.retained_block_ids())  # full: every retain now evicts the LRU handle
-    result["retain_evict_us"] = _per_op_us(retain_round, ops, args.repeat)
+    times["retain_evict"] = _per_op_us(retain_round, ops, args.repeat)
     if len(ledger) != n or ledger.metrics()["evictions"] < ops:
         raise AssertionError(f"{len(ledger)} live handles after the eviction rounds, expected {n}")
     if args.gc == "freeze":
         gc.unfreeze()
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}
+    return {"live_handles": n, "build_s": round(build_s, 3), "rounds": args.repeat, "ops": ops,
+            "seconds": {k: float(f"{v / 1e6:.6g}") for k, v in times.items()}, "verified": True}
 
 
-OPS = ("retain_us", "claim_complete_us", "renew_us", "sweep_idle_us", "sweep_due_per_handle_us", "retain_evict_us")
+OPS = ("retain", "claim_complete", "renew", "sweep_idle", "sweep_due_per_handle", "retain_evict")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Time every ledger operation at each size; returns one JSON-ready dict."""
+    """Time every ledger operation at each size; returns the :mod:`~kvshuttle.bench.schema` envelope."""
+    started = time.perf_counter()
+    given = args
     if getattr(args, "quick", False):
         args = argparse.Namespace(**{**vars(args), "sizes": "1000,10000", "ops": 500, "repeat": 2, "due": 100})
     sizes = sorted(int(s) for s in str(args.sizes).split(",") if s)
@@ -159,31 +163,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for n in sizes:
         results.append(_measure_size(n, args, rng))
         gc.collect()  # the ledger of this size is garbage now
-    small, large = results[0], results[-1]
-    return {
-        "benchmark": "retention",
-        "sizes": sizes,
-        "ops": args.ops,
-        "repeat": args.repeat,
-        "due": args.due,
-        "blocks_per_handle": args.blocks_per_handle,
-        "gc": args.gc,
-        "quick": bool(getattr(args, "quick", False)),
-        "results": results,
-        "ratio_largest_vs_smallest": {op: round(large[op] / small[op], 3) if small[op] > 0 else None for op in OPS},
-        "log_n_ratio": round(math.log(sizes[-1]) / math.log(sizes[0]), 3),  # what O(log n) growth would give
-        "linear_ratio": round(sizes[-1] / sizes[0], 1),  # what O(n) growth would give
+    small, large = results[0]["seconds"], results[-1]["seconds"]
+    summary = {
+        "growth": {op: round(large[op] / small[op], 3) if small[op] > 0 else None for op in OPS},
+        "log_n_growth": round(math.log(sizes[-1]) / math.log(sizes[0]), 3),  # what O(log n) growth would give
+        "linear_growth": round(sizes[-1] / sizes[0], 1),  # what O(n) growth would give
     }
+    note = (f"seconds per operation: median of {args.repeat} rounds of {args.ops} calls (sweep_due: one sweep "
+            f"expiring {args.due} handles); growth = time at {sizes[-1]:,} / time at {sizes[0]:,} live handles "
+            "(sizes run one after another, not interleaved)")
+    if getattr(args, "quick", False):
+        note += "; --quick: a smoke run"
+    return envelope("retention", args, add_arguments, results, note=note, started=started, summary=summary,
+                    command_args=given)
 
 
 def format_table(result: dict[str, Any]) -> str:
     names = ("retain", "claim+complete", "renew", "sweep idle", "sweep due/handle", "retain+evict")
     lines = [f"{'live handles':>13}" + "".join(f"{name:>18}" for name in names) + f"{'build s':>10}"]
     for r in result["results"]:
-        lines.append(f"{r['live_handles']:>13,}" + "".join(f"{r[op]:>18.2f}" for op in OPS) + f"{r['build_s']:>10.1f}")
-    ratios = result["ratio_largest_vs_smallest"]
-    lines.append(f"{'ratio':>13}" + "".join(f"{ratios[op]:>18.2f}" for op in OPS))
-    lines.append(f"microseconds per operation (median of {result['repeat']} rounds of {result['ops']} calls); "
-                 f"sweep due: one sweep expiring {result['due']} handles, per handle; ratio = largest / smallest size "
-                 f"(O(log n) would give {result['log_n_ratio']}, O(n) {result['linear_ratio']})")
+        lines.append(f"{r['live_handles']:>13,}" + "".join(f"{r['seconds'][op] * 1e6:>18.2f}" for op in OPS)
+                     + f"{r['build_s']:>10.1f}")
+    summary = result["summary"]
+    lines.append(f"{'growth':>13}" + "".join(f"{summary['growth'][op]:>18.2f}" for op in OPS))
+    lines.append(f"microseconds per operation; growth: O(log n) would give {summary['log_n_growth']}, "
+                 f"O(n) {summary['linear_growth']}; {result['note']}")
     return "\n".join(lines)

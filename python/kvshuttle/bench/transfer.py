@@ -10,17 +10,23 @@ agent pair four ways and reports GB/s against a memcpy of the same bytes measure
   ``make_prepped_xfer`` per read (NIXL merges runs contiguous on both sides by itself).
 
 Shapes are Qwen3-32B's (8 KV heads x 128 x bf16, 16-token blocks: 32 KiB pieces) and its TP8 shard
-(1 head: 4 KiB pieces), with fewer layers than the model's 64 so both caches fit this machine; the result
-says how many. Block ids are "scattered" (random on both sides) or "contiguous" (one run on each side).
+(1 head: 4 KiB pieces), plus TP2 (16 KiB) and TP4 (8 KiB) on request (``--shape`` takes a comma-separated
+list), with fewer layers than the model's 64 so both caches fit this machine; the result says how many.
+Block ids are "scattered" (random on both sides) or "contiguous" (one run on each side). ``--chunk-mib``
+and ``--depth`` take comma-separated lists too: every combination is a run of its own (a sweep).
+
+The methods and the memcpy are interleaved round by round; each ratio is the median of the ratios measured
+within a round, with their spread (``ratio_spread``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import multiprocessing as mp
-import os
-import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +34,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.layout import CacheKind, PagedKVCache
-from .timing import gbps, median_seconds, ratio
+from .schema import envelope
+from .timing import gbps, interleaved_rounds, medians, speedups
 
 
 @dataclass(frozen=True)
@@ -43,19 +50,43 @@ class Shape:
 
 SHAPES = {
     "qwen3-32b-tp1": Shape("qwen3-32b-tp1", 64, 8, 128, 16, 2),
+    "qwen3-32b-tp2": Shape("qwen3-32b-tp2", 64, 4, 128, 16, 2),
+    "qwen3-32b-tp4": Shape("qwen3-32b-tp4", 64, 2, 128, 16, 2),
     "qwen3-32b-tp8": Shape("qwen3-32b-tp8", 64, 1, 128, 16, 2),
 }
+DEFAULT_SHAPES = ("qwen3-32b-tp1", "qwen3-32b-tp8")  # --shape all
 METHODS = ("direct", "direct_prepped", "packed", "raw_per_block")
+PAIRS = {"packed_vs_memcpy": ("packed", "memcpy"), "packed_vs_direct": ("packed", "direct"),
+         "direct_vs_raw_per_block": ("direct", "raw_per_block")}
+
+
+def _names(text: str) -> list[str]:
+    names = list(SHAPES) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)} or all")
+    return list(DEFAULT_SHAPES) if text == "all" else names
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument("--shape", default="all",
+                        help=f"comma-separated, of {', '.join(SHAPES)}; all: {', '.join(DEFAULT_SHAPES)}")
     parser.add_argument("--layers", type=int, default=8, help="layers allocated (the model has 64)")
     parser.add_argument("--blocks", type=int, default=256, help="blocks read per transfer (16 tokens each)")
     parser.add_argument("--spare-blocks", type=int, default=256, help="cache blocks not read")
     parser.add_argument("--pattern", choices=["scattered", "contiguous", "all"], default="all")
-    parser.add_argument("--chunk-mib", type=float, default=16.0, help="staging chunk size (MiB)")
-    parser.add_argument("--depth", type=int, default=4, help="staging chunks in flight per packed read")
+    parser.add_argument("--chunk-mib", default="16", help="staging chunk size (MiB); a comma list sweeps")
+    parser.add_argument("--depth", default="4", help="staging chunks in flight per packed read; a comma list sweeps")
     parser.add_argument("--repeat", type=int, default=9, help="timed rounds (methods interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-verify", action="store_true", help="skip the byte check of each method")
@@ -87,7 +118,7 @@ def _raw_per_block(engine: Any, peer: Any) -> tuple[Any, Any]:
     from ..transfer.direct import all_pieces
 
     agent = engine._agent  # the same agent pair as the engine's own reads
-    rmem = "VRAM" if peer.info.cache.mem_type == "VRAM" else "DRAM"
+    rmem = peer.info.mem_type
     local = agent.prep_dlist(None, all_pieces(engine.side), engine.mem_type)
     remote = agent.prep_dlist(peer.agent_name, all_pieces(peer.info.side), rmem)
     return local, remote
@@ -112,10 +143,15 @@ def _raw_read(engine: Any, peer: Any, lists: tuple[Any, Any], lids: npt.NDArray[
         agent.release(xfer)
 
 
-def _memcpy_seconds(native: Any, nbytes: int, repeat: int) -> float:
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-    src_addr, dst_addr = src.ctypes.data, dst.ctypes.data
-    return median_seconds(lambda: native.parallel_memcpy(dst_addr, src_addr, nbytes), repeat)
+class _Memcpy:
+    """A memcpy of ``nbytes`` with the native thread pool, between buffers faulted in first (the peer)."""
+
+    def __init__(self, native: Any, nbytes: int) -> None:
+        self._native, self._nbytes = native, nbytes
+        self._src, self._dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+
+    def __call__(self) -> None:
+        self._native.parallel_memcpy(self._dst.ctypes.data, self._src.ctypes.data, self._nbytes)
 
 
 def _ids(pattern: str, blocks: int, total: int, rng: np.random.Generator) -> tuple[Any, Any]:
@@ -157,8 +193,9 @@ class _Reader:
 
 
 def _measure(reader: _Reader, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64], repeat: int,
-             source: list[npt.NDArray[Any]] | None) -> tuple[dict[str, float], dict[str, bool]]:
-    """Median seconds per method, the methods interleaved round by round (a noisy VM hits all alike)."""
+             source: list[npt.NDArray[Any]] | None, memcpy: _Memcpy,
+             ) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    """Per-round seconds of each method and the memcpy, interleaved round by round (a noisy VM hits all alike)."""
     verified = {}
     for name in METHODS:  # warm-up, and one byte check per method
         for layer in reader.layers:
@@ -167,21 +204,19 @@ def _measure(reader: _Reader, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.
         if source is not None:
             verified[name] = all(np.array_equal(layer[:, lids], src[:, rids])
                                  for layer, src in zip(reader.layers, source, strict=True))
-    samples: dict[str, list[float]] = {name: [] for name in METHODS}
-    for _ in range(repeat):
-        for name in METHODS:
-            start = time.perf_counter()
-            reader.read(name, lids, rids)
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}, verified
+    fns: dict[str, Callable[[], object]] = {name: functools.partial(reader.read, name, lids, rids)
+                                            for name in METHODS}
+    fns["memcpy"] = memcpy
+    return interleaved_rounds(fns, repeat, warmup=0), verified
 
 
-def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str]) -> list[dict[str, Any]]:
+def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chunk_mib: float,
+               depth: int) -> list[dict[str, Any]]:
     from .. import _native
 
     total = args.blocks + args.spare_blocks
-    config = {"staging_chunk_bytes": int(args.chunk_mib * (1 << 20)), "staging_chunks": max(4, 2 * args.depth),
-              "pipeline_depth": args.depth}
+    config = {"staging_chunk_bytes": int(chunk_mib * (1 << 20)), "staging_chunks": max(4, 2 * depth),
+              "pipeline_depth": depth}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     owner = ctx.Process(target=_owner, args=(child, shape, args.layers, total, args.seed, config), daemon=True)
@@ -198,19 +233,24 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str]) -> l
         for pattern in patterns:
             lids, rids = _ids(pattern, args.blocks, total, rng)
             nbytes = args.blocks * g.num_planes * g.piece_bytes
-            times, verified = _measure(reader, lids, rids, args.repeat, source)
-            times["memcpy"] = _memcpy_seconds(_native, nbytes, args.repeat)
-            rates = {name: round(gbps(nbytes, t), 3) for name, t in times.items()}
+            samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(_native, nbytes))
+            if source is not None and not all(verified.values()):
+                raise AssertionError(f"{shape.name} {pattern}: wrong bytes read by {verified}")
+            times = medians(samples)
+            ratios, spreads = speedups(samples, PAIRS)
             descriptors = dict(reader.descriptors)
             results.append({
                 "shape": shape.name, "pattern": pattern, "layers": args.layers,
-                "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "bytes": nbytes,
-                "piece_bytes": g.piece_bytes, "pieces": args.blocks * g.num_planes,
-                "gbps": rates, "descriptors": descriptors,
+                "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "block_size": shape.block_size,
+                "chunk_mib": chunk_mib, "depth": depth, "bytes": nbytes,
+                "pieces": args.blocks * g.num_planes, "bytes_per_piece": g.piece_bytes,
+                "descriptors": descriptors,
                 "bytes_per_descriptor": {k: round(nbytes / v) for k, v in descriptors.items() if v},
-                "packed_vs_memcpy": ratio(rates["packed"], rates["memcpy"]),
-                "packed_vs_direct": ratio(rates["packed"], rates["direct"]),
-                "direct_vs_raw_per_block": ratio(rates["direct"], rates["raw_per_block"]),
+                "rounds": args.repeat,
+                "seconds": {name: float(f"{t:.6g}") for name, t in times.items()},
+                "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
+                **ratios,
+                "ratio_spread": spreads,
                 "verified": verified,
             })
     finally:
@@ -224,29 +264,36 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str]) -> l
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .. import _native
-
-    shapes = list(SHAPES.values()) if args.shape == "all" else [SHAPES[args.shape]]
+    """Every shape x pattern x chunk size x depth; returns the :mod:`~kvshuttle.bench.schema` envelope."""
+    started = time.perf_counter()
+    try:
+        names, chunks = _names(str(args.shape)), _floats(str(args.chunk_mib))
+        depths = [int(d) for d in _floats(str(args.depth))]
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"kvshuttle bench transfer: {exc}") from None
     patterns = ["scattered", "contiguous"] if args.pattern == "all" else [args.pattern]
-    start = time.perf_counter()
-    results = [r for shape in shapes for r in _run_shape(shape, args, patterns)]
-    return {
-        "bench": "transfer",
-        "transport": "NIXL UCX between two processes on one host (DRAM; CMA)",
-        "cpus": os.cpu_count(), "native_threads": int(_native.num_threads()),
-        "note": f"layers scaled to {args.layers} of the model's 64; bf16 moved as 2-byte words; "
-                f"staging chunks {args.chunk_mib} MiB, depth {args.depth}; medians of {args.repeat} runs",
-        "results": results,
-        "seconds": round(time.perf_counter() - start, 1),
-    }
+    results = [r for name in names for chunk_mib, depth in itertools.product(chunks, depths)
+               for r in _run_shape(SHAPES[name], args, patterns, chunk_mib, depth)]
+    staging = ", ".join(f"{c:g} MiB x {d}" for c, d in itertools.product(chunks, depths))
+    note = (f"layers scaled to {args.layers} of the model's 64; bf16 moved as 2-byte words; NIXL UCX between "
+            f"two processes on one host (DRAM; CMA); staging chunks x depth: {staging}; {args.repeat} rounds, "
+            "methods and memcpy interleaved; ratios: median of per-round ratios")
+    return envelope("transfer", args, add_arguments, results, note=note, started=started)
+
+
+def _cell(r: dict[str, Any], name: str) -> str:
+    sp = r["ratio_spread"][name]
+    return f"{r[name]:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [result["note"], f"{'shape':15} {'pattern':11} {'MiB':>6} " + " ".join(
-        f"{m:>14}" for m in (*METHODS, "memcpy")) + "  packed/memcpy packed/direct direct/raw"]
+    lines = [result["note"], f"{'shape':15} {'pattern':11} {'chunk':>9} {'MiB':>5} " + " ".join(
+        f"{m:>14}" for m in (*METHODS, "memcpy")) + "  " + "  ".join(f"{p:<17}" for p in PAIRS)]
     for r in result["results"]:
-        lines.append(f"{r['shape']:15} {r['pattern']:11} {r['bytes'] / 2**20:6.0f} " + " ".join(
-            f"{r['gbps'][m]:9.2f} GB/s" for m in (*METHODS, "memcpy"))
-            + f"  {r['packed_vs_memcpy']:13.2f} {r['packed_vs_direct']:13.2f} {r['direct_vs_raw_per_block']:10.2f}")
-        lines.append(" " * 34 + "descriptors: " + ", ".join(f"{k} {v}" for k, v in r["descriptors"].items()))
+        lines.append(f"{r['shape']:15} {r['pattern']:11} {r['chunk_mib']:>5g}x{r['depth']:<3} "
+                     f"{r['bytes'] / 2**20:5.0f} " + " ".join(f"{r['gbps'][m]:9.2f} GB/s" for m in (*METHODS, "memcpy"))
+                     + "  " + "  ".join(f"{_cell(r, p):<17}" for p in PAIRS))
+        lines.append(" " * 38 + "descriptors: " + ", ".join(f"{k} {v}" for k, v in r["descriptors"].items()))
+    lines.append("GB/s: median per method; ratios: speed of the first over the second, median of per-round "
+                 "ratios (min-max)")
     return "\n".join(lines)

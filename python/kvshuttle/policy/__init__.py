@@ -16,7 +16,6 @@ from .decision import (
     decide_from_params,
     estimate_clock_offset,
     parse_handle,
-    transfer_cost_inputs,
 )
 from .digests import DEFAULT_DIGEST_SIZE, DigestError, PromptDigests, block_digests, from_vllm_block_hashes
 from .kv_handle import HandleFormatError, KVHandle
@@ -39,5 +38,4 @@ __all__ = [
     "estimate_clock_offset",
     "from_vllm_block_hashes",
     "parse_handle",
-    "transfer_cost_inputs",
 ]

@@ -18,7 +18,8 @@ d. **Expiry**, on the decode's clock: fetch only if ``expiry_time - (now_wall + 
    too); NaN anywhere is expired.
 e. **Threshold.** ``fixed``: fetch iff the tokens fetched ``>= threshold_tokens``; ``threshold_tokens <= 0``
    disables fetching. ``cost``: fetch iff ``(overhead + bytes / bandwidth) * cost_margin < tokens / prefill
-   throughput``; :func:`transfer_cost_inputs` reads the inputs from ``kvshuttle bench transfer --json``.
+   throughput``; :func:`kvshuttle.bench.cost_inputs.cost_inputs_from_bench` derives the transfer inputs
+   from ``kvshuttle bench transfer --json``.
 
 Anything refused, expired or unverified ends in ``"recompute"`` (``"local"`` when the local hit is still reused);
 nothing unverified is ever marked for fetch. Handle problems never raise on the serving path: they become
@@ -29,16 +30,16 @@ raise :class:`PolicyError`. Stdlib + numpy only.
 from __future__ import annotations
 
 import enum
-import json
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
 import numpy as np
 
-from ..errors import KVShuttleError
+from .._values import as_float, is_int
+from ..core.blocks import blocks_for_tokens
+from ..errors import KVShuttleError, shown
 from .digests import DigestError, PromptDigests, TokenIds
 from .kv_handle import PREFIX, HandleFormatError, KVHandle
 
@@ -124,10 +125,21 @@ class PolicyConfig:
     extra_key: bytes = field(default=b"", repr=False)  # for digesting raw prompt tokens (model / adapter id)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("fixed", "cost"):
-            raise PolicyError(f"kind must be 'fixed' or 'cost', got {self.kind!r}")
-        if isinstance(self.threshold_tokens, bool) or not isinstance(self.threshold_tokens, int):
-            raise PolicyError(f"threshold_tokens must be an int, got {self.threshold_tokens!r}")
+        if not (isinstance(self.kind, str) and self.kind in ("fixed", "cost")):
+            raise PolicyError(f"kind must be 'fixed' or 'cost', got {shown(self.kind)}")
+        if not (is_int(self.threshold_tokens) and abs(self.threshold_tokens) < 2**63):
+            raise PolicyError(f"threshold_tokens must be a 64-bit int, got {shown(self.threshold_tokens)}")
+        object.__setattr__(self, "threshold_tokens", int(self.threshold_tokens))
+        if not isinstance(self.extra_key, (bytes, bytearray, memoryview)):
+            raise PolicyError(f"extra_key must be bytes (a model or adapter id), got {type(self.extra_key).__name__}")
+        object.__setattr__(self, "extra_key", bytes(self.extra_key))
+        numbers = ("kv_bytes_per_token", "bandwidth_bytes_per_s", "transfer_overhead_s", "prefill_tokens_per_s",
+                   "cost_margin", "expiry_margin_s")
+        for name in numbers:  # Python floats: the cost model's products overflow to inf, never raise
+            value = as_float(getattr(self, name))
+            if value is None:
+                raise PolicyError(f"{name} must be a real number, got {shown(getattr(self, name))}")
+            object.__setattr__(self, name, value)
         if not (math.isfinite(self.expiry_margin_s) and self.expiry_margin_s >= 0):
             raise PolicyError(f"expiry_margin_s must be finite and >= 0, got {self.expiry_margin_s}")
         if self.kind == "cost":
@@ -139,18 +151,20 @@ class PolicyConfig:
                 bad.append("transfer_overhead_s")
             if bad:
                 raise PolicyError(f"the cost model needs finite positive {', '.join(bad)} "
-                                  "(see transfer_cost_inputs for the transfer side)")
+                                  "(see kvshuttle.bench.cost_inputs.cost_inputs_from_bench for the transfer side)")
 
     @classmethod
     def from_vllm_threshold(cls, kv_recompute_threshold: int, **changes: Any) -> PolicyConfig:
         """vLLM's ``kv_recompute_threshold``: there ``<= 0`` means *no threshold* (always pull), here 1 token."""
+        if not is_int(kv_recompute_threshold):
+            raise PolicyError(f"kv_recompute_threshold must be an int, got {shown(kv_recompute_threshold)}")
         return cls(kind="fixed", threshold_tokens=max(int(kv_recompute_threshold), 1), **changes)
 
     def estimate(self, fetch_blocks: int, block_size: int, fetch_tokens: int) -> CostEstimate:
         """Transfer moves whole blocks; recompute redoes the fetched tokens (a linear prefill model)."""
-        nbytes = int(fetch_blocks * block_size * self.kv_bytes_per_token)
+        nbytes = fetch_blocks * block_size * self.kv_bytes_per_token  # a float: inf at worst, never an error
         return CostEstimate(self.transfer_overhead_s + nbytes / self.bandwidth_bytes_per_s,
-                            fetch_tokens / self.prefill_tokens_per_s, nbytes)
+                            fetch_tokens / self.prefill_tokens_per_s, int(min(nbytes, 2**63 - 1)))
 
 
 def estimate_clock_offset(local_send: float, remote_wall: float, local_recv: float) -> float:
@@ -168,10 +182,8 @@ class _Request:
     __slots__ = ("local", "num_tokens")
 
     def __init__(self, num_tokens: int | None, local_hit_tokens: int) -> None:
-        if isinstance(local_hit_tokens, bool) or not isinstance(local_hit_tokens, (int, np.integer)):
-            raise PolicyError(f"local_hit_tokens must be an int, got {local_hit_tokens!r}")
-        if local_hit_tokens < 0:
-            raise PolicyError(f"local_hit_tokens must be >= 0, got {local_hit_tokens}")
+        if not (is_int(local_hit_tokens) and 0 <= local_hit_tokens < 2**63):
+            raise PolicyError(f"local_hit_tokens must be an int in [0, 2**63), got {shown(local_hit_tokens)}")
         self.num_tokens = -1 if num_tokens is None else num_tokens  # None: not known (parse_handle)
         local = int(local_hit_tokens)
         # vLLM never reports the last token as hit; clamp anyway so reused_tokens <= len(prompt) - 1 holds.
@@ -185,24 +197,17 @@ class _Request:
 def _prompt_length(prompt: TokenIds | PromptDigests) -> int:
     if isinstance(prompt, PromptDigests):
         return prompt.num_tokens
-    try:
-        return len(prompt)
-    except TypeError:
-        raise PolicyError(f"prompt must be token ids or PromptDigests, got {type(prompt).__name__}") from None
+    if isinstance(prompt, (str, bytes, bytearray)) or not isinstance(prompt, (Sequence, np.ndarray)):
+        raise PolicyError(f"prompt must be token ids or PromptDigests, got {type(prompt).__name__}")
+    return len(prompt)
 
 
-def _structure_problem(handle: KVHandle) -> str | None:
-    """O(1) consistency checks (the O(n) ones ran in KVHandle.check when the handle was parsed)."""
-    n, bs, tokens = len(handle.block_ids), handle.block_size, handle.num_tokens
-    if type(bs) is not int or bs < 1 or type(tokens) is not int:
-        return f"block_size {bs!r} / num_tokens {tokens!r} are not positive integers"
-    if len(handle.digests) != n:
-        return f"{len(handle.digests)} digests for {n} blocks"
-    if not ((n - 1) * bs < tokens <= n * bs or tokens == 0 == n):
-        return f"{n} blocks of {bs} cannot hold {tokens} tokens"
-    if n and not (isinstance(handle.digests[0], bytes) and 1 <= len(handle.digests[0]) <= 64):
-        return "digests must be 1..64-byte strings"
-    return None
+def _clock(name: str, value: float) -> float:
+    """A wall-clock time or offset as a float; NaN and infinities pass (they refuse as expired)."""
+    number = as_float(value)
+    if number is None:
+        raise PolicyError(f"{name} must be a real number of seconds, got {shown(value)}")
+    return number
 
 
 def _first_mismatch(digests: tuple[bytes, ...], buffer: bytes, count: int, size: int) -> int:
@@ -235,7 +240,10 @@ def _prompt_digests(prompt: TokenIds | PromptDigests, handle: KVHandle, config: 
         return Reason.DIGEST_SCHEME_MISMATCH if resized is None else resized
     # Raw tokens: digest only what the remote can cover (a prompt may be much longer than the handle).
     covered = prompt[:handle.num_tokens]
-    return PromptDigests.from_tokens(covered, handle.block_size, extra_key=config.extra_key, digest_size=size)
+    try:
+        return PromptDigests.from_tokens(covered, handle.block_size, extra_key=config.extra_key, digest_size=size)
+    except DigestError as exc:  # the handle's block and digest sizes passed its checks: the tokens are wrong
+        raise PolicyError(f"the prompt's token ids cannot be digested: {exc}") from None
 
 
 def decide(prompt: TokenIds | PromptDigests, *, local_hit_tokens: int, handle: KVHandle | None, now_wall: float,
@@ -246,11 +254,16 @@ def decide(prompt: TokenIds | PromptDigests, *, local_hit_tokens: int, handle: K
     process's wall clock (``time.time()``); ``clock_offset_s`` is the decode's wall clock minus ours.
     """
     request = _Request(_prompt_length(prompt), local_hit_tokens)
+    if not isinstance(config, PolicyConfig):
+        raise PolicyError(f"config must be a PolicyConfig, got {type(config).__name__}")
+    now_wall, clock_offset_s = _clock("now_wall", now_wall), _clock("clock_offset_s", clock_offset_s)
     if handle is None:
         return request.refuse(Reason.NO_HANDLE, "no remote handle: nothing to read back")
+    if not isinstance(handle, KVHandle):
+        raise PolicyError(f"handle must be a KVHandle or None (parse_handle), got {type(handle).__name__}")
     if config.kind == "fixed" and config.threshold_tokens <= 0:
         return request.refuse(Reason.FETCH_DISABLED, f"threshold_tokens={config.threshold_tokens} disables fetching")
-    problem = _structure_problem(handle)
+    problem = handle.structure_problem()  # O(1); a parsed handle passed the O(n) checks too
     if problem is not None:
         return request.refuse(Reason.MALFORMED_HANDLE, f"inconsistent handle: {problem}")
     if not handle.block_ids:
@@ -286,7 +299,7 @@ def _decide_verified(prompt: TokenIds | PromptDigests, request: _Request, handle
 
     # a + c. start after the local hit on a block boundary; end before the last prompt token
     end = min(verified, request.num_tokens - 1)
-    first = -(-request.local // bs)
+    first = blocks_for_tokens(request.local, bs)
     facts: dict[str, Any] = {"block_size": bs, "verified_tokens": verified, "mismatch_block": mismatch}
     if end <= first * bs:
         if verified == 0:
@@ -295,7 +308,7 @@ def _decide_verified(prompt: TokenIds | PromptDigests, request: _Request, handle
             return request.refuse(Reason.NOTHING_VERIFIED, f"no remote block verified: {why}", **facts)
         return request.refuse(Reason.LOCAL_COVERS, f"the local hit ({request.local} tokens) covers the "
                                                    f"{verified} verified remote tokens", **facts)
-    last = -(-end // bs)
+    last = blocks_for_tokens(end, bs)
     fetch_tokens = end - first * bs
 
     # d. expiry on the decode's clock; written so that NaN refuses
@@ -328,7 +341,7 @@ def _decide_verified(prompt: TokenIds | PromptDigests, request: _Request, handle
 
 # --------------------------------------------------------------------------------------------- the handle
 def _parse(kv_transfer_params: Any) -> KVHandle | tuple[Reason, str]:
-    if kv_transfer_params is None or kv_transfer_params == {}:
+    if kv_transfer_params is None or (isinstance(kv_transfer_params, Mapping) and not kv_transfer_params):
         return Reason.NO_HANDLE, "no kv_transfer_params"
     if isinstance(kv_transfer_params, Mapping) and PREFIX + "version" not in kv_transfer_params:
         if "remote_block_ids" in kv_transfer_params:
@@ -366,70 +379,12 @@ def decide_from_params(prompt: TokenIds | PromptDigests, kv_transfer_params: Any
 
 # ------------------------------------------------------------------------------------- cost model inputs
 class CostInputs(TypedDict):
-    """The transfer side of the cost model: ``PolicyConfig(kind="cost", prefill_tokens_per_s=..., **inputs)``."""
+    """The transfer side of the cost model: ``PolicyConfig(kind="cost", prefill_tokens_per_s=..., **inputs)``.
+
+    Plain numbers; :func:`kvshuttle.bench.cost_inputs.cost_inputs_from_bench` derives them from a measured
+    ``kvshuttle bench transfer --json`` (the policy itself reads no benchmark output).
+    """
 
     kv_bytes_per_token: float
     bandwidth_bytes_per_s: float
     transfer_overhead_s: float
-
-
-TRANSFER_METHODS = ("direct", "direct_prepped", "packed")  # what the engine can use (raw_per_block is vLLM's)
-BenchSource = Mapping[str, Any] | str | os.PathLike[str]
-
-
-def _load_results(bench: BenchSource | Sequence[BenchSource]) -> list[Mapping[str, Any]]:
-    sources = list(bench) if isinstance(bench, Sequence) and not isinstance(bench, str) else [bench]
-    results: list[Mapping[str, Any]] = []
-    for source in sources:
-        if isinstance(source, Mapping):
-            data: Any = source
-        else:
-            with open(source, encoding="utf-8") as f:
-                data = json.load(f)
-        if not isinstance(data, Mapping) or data.get("bench") != "transfer" or not isinstance(
-                data.get("results"), list):
-            raise PolicyError("expected the output of 'kvshuttle bench transfer --json' "
-                              "({'bench': 'transfer', 'results': [...]})")
-        results.extend(data["results"])
-    return results
-
-
-def transfer_cost_inputs(bench: BenchSource | Sequence[BenchSource], *, shape: str | None = None,
-                         pattern: str = "scattered", method: str = "best", block_size: int = 16,
-                         transfer_overhead_s: float | None = None) -> CostInputs:
-    """Cost-model inputs from ``kvshuttle bench transfer --json`` output (dicts, or paths to JSON files).
-
-    * ``kv_bytes_per_token``: bytes read / tokens read, scaled from the layers the bench allocated to the
-      model's (``layers_in_model / layers``); ``block_size`` tokens per block when a result does not say.
-    * ``bandwidth_bytes_per_s``: of ``method`` (``"best"``: the fastest of direct / direct_prepped / packed on
-      the largest read, as the engine picks its path) for ``pattern`` (``scattered`` block ids are what a
-      long-running server has; ``contiguous`` is the best case).
-    * ``transfer_overhead_s``: given, else fitted with bandwidth as ``t = overhead + bytes / bandwidth`` when
-      the results hold reads of two or more sizes (run the bench with a small ``--blocks`` too), else 0.
-    """
-    rows = [r for r in _load_results(bench) if r.get("pattern") == pattern]
-    shapes = sorted({str(r.get("shape")) for r in rows})
-    if shape is None and len(shapes) == 1:
-        shape = shapes[0]
-    rows = [r for r in rows if r.get("shape") == shape]
-    if not rows:
-        raise PolicyError(f"no {pattern!r} results for shape {shape!r}; shapes present: {shapes}")
-    largest = max(rows, key=lambda r: r["bytes"])
-    if method == "best":
-        method = max(TRANSFER_METHODS, key=lambda m: largest["gbps"].get(m, 0.0))
-    if not all(r["gbps"].get(method, 0) > 0 for r in rows):
-        raise PolicyError(f"method {method!r} has no positive GB/s in every result")
-    tokens = largest["blocks"] * largest.get("block_size", block_size)
-    kv_bytes = largest["bytes"] / tokens * largest["layers_in_model"] / largest["layers"]
-    sizes = np.array([float(r["bytes"]) for r in rows])
-    seconds = sizes / (np.array([float(r["gbps"][method]) for r in rows]) * 1e9)
-    bandwidth = float(largest["gbps"][method]) * 1e9
-    overhead = 0.0 if transfer_overhead_s is None else float(transfer_overhead_s)
-    if len(set(sizes.tolist())) >= 2:
-        slope, intercept = np.polyfit(sizes, seconds, 1)
-        if slope > 0:
-            bandwidth = 1.0 / float(slope)
-            if transfer_overhead_s is None:
-                overhead = max(float(intercept), 0.0)
-    return CostInputs(kv_bytes_per_token=float(kv_bytes), bandwidth_bytes_per_s=bandwidth,
-                      transfer_overhead_s=overhead)

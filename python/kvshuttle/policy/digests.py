@@ -79,7 +79,7 @@ def _key(extra_key: bytes) -> bytes:
 def encode_tokens(token_ids: TokenIds) -> bytes:
     """Token ids as contiguous little-endian uint32 bytes (the digest's encoding); DigestError if out of range."""
     if _ARRAY_U32 and isinstance(token_ids, (list, tuple)):
-        # A Python list through array('I') is ~5x faster than through numpy (which first infers a dtype);
+        # A Python list through array('I') is much faster than through numpy (which first infers a dtype);
         # array checks the range itself (OverflowError) and rejects non-integers (TypeError).
         try:
             return array.array("I", token_ids).tobytes()
@@ -98,7 +98,7 @@ def encode_tokens(token_ids: TokenIds) -> bytes:
 def _chain(encoded: bytes, start: int, stop: int, step: int, parent: bytes, base: Any) -> list[bytes]:
     """Digests of the byte chunks ``encoded[o:o+step]`` for o in range(start, stop, step), chained from ``parent``.
 
-    The one per-block Python loop: a state copy, one update, one digest (about 0.35 us per block on a 2-core VM).
+    The one per-block Python loop: a state copy, one update, one digest (benchmarks/results/vm2_policy.json).
     """
     out: list[bytes] = []
     append, copy, digest = out.append, base.copy, parent

@@ -122,7 +122,10 @@ class RetentionLedger:
     """Decode's record of retained blocks and the handles it issued for them; see the module docstring.
 
     ``on_free(block_ids)`` hands blocks back to the owner's allocator: each retained block exactly once, after
-    its last holder ended; it should not raise (the ledger has already forgotten the blocks). Without it freed
+    its last holder ended; it should not raise (the ledger has already forgotten the blocks). ``on_release(
+    request_id)`` says a handle let go of its request's blocks (ended, and no read in flight): for an owner that
+    frees per request, as vLLM's scheduler does (a block shared by two requests is freed by vLLM's reference
+    count, not here). Without it freed
     blocks are only counted (tests, benchmarks). ``budget_blocks`` may be changed at run time; the next retain
     evicts down to it. ``tombstones``: how many ended handle and claim ids are remembered to name a refusal.
 
@@ -134,7 +137,8 @@ class RetentionLedger:
                  mode: Mode = "multi_read", budget_blocks: int | None = None, budget_bytes: int | None = None,
                  bytes_per_block: int = 0, claim_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 on_free: Callable[[list[int]], object] | None = None, tombstones: int = 4096) -> None:
+                 on_free: Callable[[list[int]], object] | None = None,
+                 on_release: Callable[[str], object] | None = None, tombstones: int = 4096) -> None:
         if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
             raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
@@ -145,6 +149,7 @@ class RetentionLedger:
         check_callable("clock", clock)
         check_callable("wall_clock", wall_clock)
         check_callable("on_free", on_free, optional=True)
+        check_callable("on_release", on_release, optional=True)
         self._ttl = check_positive("ttl_s", ttl_s)
         self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
         limits = [check_count("budget_blocks", budget_blocks)] if budget_blocks is not None else []
@@ -156,7 +161,7 @@ class RetentionLedger:
         self.engine_id, self.host, self.port, self.mode = engine_id, host, port, mode
         self.bytes_per_block = bytes_per_block
         self.budget_blocks: int | None = min(limits) if limits else None
-        self._clock, self._wall_clock, self._on_free = clock, wall_clock, on_free
+        self._clock, self._wall_clock, self._on_free, self._on_release = clock, wall_clock, on_free, on_release
         self._tombstone_cap = check_count("tombstones", tombstones)
 
         self._lock = threading.Lock()
@@ -176,20 +181,29 @@ class RetentionLedger:
         self._ended_handles: OrderedDict[str, str] = OrderedDict()  # recent handle id -> end reason
         self._ended_claims: OrderedDict[str, str] = OrderedDict()
         self._pending: list[int] = []  # blocks freed by the current operation, for on_free after the lock
+        self._released: list[str] = []  # requests whose handle let go of its blocks, for on_release after it
         self._counts: Counter[str] = Counter()
         self._refusals: Counter[str] = Counter()
 
     # ------------------------------------------------------------------------------------------ public API
     def retain(self, request_id: str, block_ids: Iterable[int], digests: Iterable[bytes], num_tokens: int,
                block_size: int, tp_size: int = 1, conversation_id: str | None = None, *,
-               ttl_s: float | None = None) -> KVHandle:
+               ttl_s: float | None = None, handle_id: str | None = None, generation: int | None = None) -> KVHandle:
         """Keep a finished request's blocks and issue a handle for them (``ttl_s`` overrides the ledger's TTL).
 
-        Raises BudgetExceededError (free ``caller_frees`` normally) or RetentionArgumentError."""
+        ``handle_id`` and ``generation``: the values an issuer outside the ledger already published (vLLM's
+        scheduler returns ``kv_transfer_params`` before the worker's ledger sees the retention); by default the
+        ledger draws an unguessable id and uses its epoch. Raises BudgetExceededError (free ``caller_frees``
+        normally) or RetentionArgumentError."""
         ids, digs = check_retain(request_id, block_ids, digests, num_tokens, block_size, tp_size, conversation_id)
         ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
+        if handle_id is not None:
+            check_id("handle_id", handle_id)
+        if generation is not None and not (is_int(generation) and 0 <= generation < 2**63):
+            raise RetentionArgumentError(f"generation must be an int in [0, 2**63), got {shown(generation)}")
+        issued = None if generation is None else int(generation)
         return self._call(lambda: self._retain(request_id, ids, digs, num_tokens, block_size, tp_size,
-                                               conversation_id, ttl))
+                                               conversation_id, ttl, handle_id, issued))
 
     def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
               digests: Sequence[bytes] | None = None, *, reader: str = "") -> Claim:
@@ -303,23 +317,31 @@ class RetentionLedger:
 
     # ------------------------------------------------------------------------------------------- internals
     def _call(self, fn: Callable[[], R]) -> R:
-        """Run ``fn`` under the lock, then hand the blocks it freed to ``on_free`` outside it."""
+        """Run ``fn`` under the lock, then hand what it freed to ``on_free`` / ``on_release`` outside it."""
         freed: list[int] = []
+        released: list[str] = []
         try:
             with self._lock:
                 try:
                     return fn()
                 finally:
                     freed, self._pending = self._pending, []
+                    released, self._released = self._released, []
         finally:
             if freed and self._on_free is not None:
                 self._on_free(freed)
+            if self._on_release is not None:
+                for request_id in released:
+                    self._on_release(request_id)
 
     def _retain(self, request_id: str, ids: tuple[int, ...], digs: tuple[bytes, ...], num_tokens: int,
-                block_size: int, tp_size: int, conversation_id: str | None, ttl: float) -> KVHandle:
+                block_size: int, tp_size: int, conversation_id: str | None, ttl: float, handle_id: str | None,
+                generation: int | None) -> KVHandle:
         now = self._clock()
-        handle = _Retained(secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens, block_size,
-                         tp_size, now + ttl)
+        if handle_id is not None and (handle_id in self._handles or handle_id in self._ended_handles):
+            raise RetentionArgumentError(f"handle id {handle_id[:12]}... was issued before; issue a fresh one")
+        handle = _Retained(handle_id or secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens,
+                           block_size, tp_size, now + ttl)
         new = sum(1 for b in ids if b not in self._blocks)
         superseded: list[_Retained] = []
         for k, b in enumerate(ids):  # attach first, so that no block of this request can be freed under us
@@ -352,7 +374,9 @@ class RetentionLedger:
             while len(self._blocks) > limit:
                 _, victim = self._lru.popitem(last=False)  # never empty here: the check above counted the room
                 self._end(victim, "evicted")
-        handle.generation = self._epoch  # >= every generation of its blocks
+        # >= every generation of its blocks (staleness itself is tracked by the reused flag, so an issuer's value
+        # only has to match what readers present)
+        handle.generation = self._epoch if generation is None else generation
         self._handles[handle.handle_id] = handle
         self._lru[handle.handle_id] = handle
         self._expiry.push(handle.expiry, handle)
@@ -492,6 +516,7 @@ class RetentionLedger:
             self._drop_holds(handle)
 
     def _drop_holds(self, handle: _Retained) -> None:
+        self._released.append(handle.request_id)
         for b in handle.block_ids:
             record = self._blocks.get(b)
             if record is None:

@@ -34,13 +34,15 @@ class EngineConfig:
     host: str = "127.0.0.1"  # side-channel bind address (serve)
     port: int = 0  # side-channel port; 0 picks a free one (see serve())
     # The registered staging pool: ``staging_chunks`` slots of ``staging_chunk_bytes`` each; one chunk of a
-    # packed read fills one slot. 16 MiB x 4 in flight measured best (benchmarks/README.md).
+    # packed read fills one slot. 16 MiB chunks measured best (packed 2.3-2.7x direct at depth 4 / 2, against
+    # 1.1-1.3x at 1 MiB: benchmarks/results/vm2_transfer_chunks.json); depths 2 and 4 are within noise there.
     staging_chunk_bytes: int = 16 << 20
     staging_chunks: int = 8  # slots in the pool (0: no packed path): 2 reads at full depth
     pipeline_depth: int = 4  # slots one packed read holds on each side
-    # auto path: reads whose descriptors average below this go packed (the measured crossover on the 2-core
-    # reference VM, UCX over CMA: see benchmarks/README.md, "transfer").
-    packed_threshold_bytes: int = 16 << 10
+    # auto path: reads whose descriptors average below this go packed. Measured on the 2-core VM (UCX over
+    # CMA, scattered ids): packed/direct 2.2x at 4 KiB, 1.5x at 8 KiB, 1.3x at 16 KiB, 0.83x at 32 KiB
+    # (benchmarks/results/vm2_transfer_pieces.json), so the crossover lies between 16 and 32 KiB.
+    packed_threshold_bytes: int = 32 << 10
     direct_mode: Literal["initialize", "prepped"] = "initialize"
     connect_timeout_s: float = 2.0
     heartbeat_s: float = 0.5

@@ -47,7 +47,7 @@ class Peer:
                 self.lost = reason
 
     def checkout(self, context: zmq.Context[Any]) -> Connection:
-        """An idle side-channel connection for one packed read (TCP set-up costs ~1 ms: reuse them)."""
+        """An idle side-channel connection for one packed read (reused: a new one costs a TCP and ZMTP handshake)."""
         with self._lock:
             while self._streams:
                 conn = self._streams.pop()
