@@ -736,3 +736,19 @@ def test_on_release_names_each_request_once_when_its_blocks_are_let_go() -> None
     assert released == ["r1", "r2"]
     env.ledger.abort(claim.claim_id)
     assert released == ["r1", "r2", "r3"]
+
+
+def test_a_handle_can_be_use_once_in_a_multi_read_ledger() -> None:
+    env = make()  # multi_read by default
+    once = retain(env, [1, 2], mode="use_once")
+    many = retain(env, [3], tag="m")
+    first = env.ledger.claim(once.handle_id, once.generation)
+    with pytest.raises(HandleInUseError):
+        env.ledger.claim(once.handle_id, once.generation)
+    env.ledger.complete(first.claim_id)
+    with pytest.raises(HandleConsumedError):
+        env.ledger.claim(once.handle_id, once.generation)
+    for _ in range(2):  # the multi-read one stays
+        env.ledger.complete(env.ledger.claim(many.handle_id, many.generation).claim_id)
+    with pytest.raises(RetentionArgumentError, match="mode"):
+        retain(env, [9], mode="twice")  # type: ignore[arg-type]

@@ -71,7 +71,7 @@ END_REASONS = ("expired", "evicted", "released", "consumed", "stale")
 
 class _Retained:
     __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "ended", "expiry",
-                 "generation", "handle_id", "num_tokens", "request_id", "reused", "tp_size")
+                 "generation", "handle_id", "num_tokens", "once", "request_id", "reused", "tp_size")
 
     def __init__(self, handle_id: str, request_id: str, conversation_id: str | None, block_ids: tuple[int, ...],
                  digests: tuple[bytes, ...], num_tokens: int, block_size: int, tp_size: int, expiry: float) -> None:
@@ -82,6 +82,7 @@ class _Retained:
         self.claims = 0  # reads in flight
         self.ended: str | None = None  # an END_REASONS entry once it can no longer be claimed
         self.reused = False  # one of its blocks went back to the owner: what a read in flight got is stale
+        self.once = False  # use-once: one claim at a time, and a completed read frees it
 
     def valid(self, index: int) -> int:
         """Tokens of block ``index`` that hold KV."""
@@ -188,22 +189,27 @@ class RetentionLedger:
     # ------------------------------------------------------------------------------------------ public API
     def retain(self, request_id: str, block_ids: Iterable[int], digests: Iterable[bytes], num_tokens: int,
                block_size: int, tp_size: int = 1, conversation_id: str | None = None, *,
-               ttl_s: float | None = None, handle_id: str | None = None, generation: int | None = None) -> KVHandle:
+               ttl_s: float | None = None, handle_id: str | None = None, generation: int | None = None,
+               mode: Mode | None = None) -> KVHandle:
         """Keep a finished request's blocks and issue a handle for them (``ttl_s`` overrides the ledger's TTL).
 
         ``handle_id`` and ``generation``: the values an issuer outside the ledger already published (vLLM's
         scheduler returns ``kv_transfer_params`` before the worker's ledger sees the retention); by default the
         ledger draws an unguessable id and uses its epoch. Raises BudgetExceededError (free ``caller_frees``
-        normally) or RetentionArgumentError."""
+        normally) or RetentionArgumentError. ``mode`` overrides the ledger's mode for this handle (a prefill's
+        forward handle is use-once while decode's reverse ones are multi-read)."""
         ids, digs = check_retain(request_id, block_ids, digests, num_tokens, block_size, tp_size, conversation_id)
         ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
         if handle_id is not None:
             check_id("handle_id", handle_id)
         if generation is not None and not (is_int(generation) and 0 <= generation < 2**63):
             raise RetentionArgumentError(f"generation must be an int in [0, 2**63), got {shown(generation)}")
+        if mode is not None and not (isinstance(mode, str) and mode in MODES):
+            raise RetentionArgumentError(f"mode {shown(mode)}: use 'multi_read' or 'use_once'")
         issued = None if generation is None else int(generation)
+        once = (mode or self.mode) == "use_once"
         return self._call(lambda: self._retain(request_id, ids, digs, num_tokens, block_size, tp_size,
-                                               conversation_id, ttl, handle_id, issued))
+                                               conversation_id, ttl, handle_id, issued, once))
 
     def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
               digests: Sequence[bytes] | None = None, *, reader: str = "") -> Claim:
@@ -336,12 +342,13 @@ class RetentionLedger:
 
     def _retain(self, request_id: str, ids: tuple[int, ...], digs: tuple[bytes, ...], num_tokens: int,
                 block_size: int, tp_size: int, conversation_id: str | None, ttl: float, handle_id: str | None,
-                generation: int | None) -> KVHandle:
+                generation: int | None, once: bool) -> KVHandle:
         now = self._clock()
         if handle_id is not None and (handle_id in self._handles or handle_id in self._ended_handles):
             raise RetentionArgumentError(f"handle id {handle_id[:12]}... was issued before; issue a fresh one")
         handle = _Retained(handle_id or secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens,
                            block_size, tp_size, now + ttl)
+        handle.once = once
         new = sum(1 for b in ids if b not in self._blocks)
         superseded: list[_Retained] = []
         for k, b in enumerate(ids):  # attach first, so that no block of this request can be freed under us
@@ -400,7 +407,7 @@ class RetentionLedger:
             if not digs or not _equal(digs, handle.digests[: len(digs)]) or (ids is not None and len(digs) != count):
                 self._tampered(handle_id, "digests are not the issued ones")
             count = len(digs)
-        if self.mode == "use_once" and handle.claims:
+        if handle.once and handle.claims:
             self._refuse("in_use", handle_id, "another reader holds the use-once claim")
         if handle.claims == 0:
             del self._lru[handle_id]  # a handle being read is never evicted
@@ -430,7 +437,7 @@ class RetentionLedger:
             self._refusals["stale"] += 1
             raise StaleHandleError(handle.handle_id, "its blocks were reused during the read: discard them")
         self._counts["hits"] += 1
-        if self.mode == "use_once" and handle.ended is None:
+        if handle.once and handle.ended is None:
             self._end(handle, "consumed")
         return claim
 

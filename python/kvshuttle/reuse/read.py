@@ -30,6 +30,7 @@ from ..policy import Decision, KVHandle, PolicyConfig, PromptDigests, decide, de
 from ..policy.digests import TokenIds
 from ..transfer import (
     ClaimRefusedError,
+    ClaimTicket,
     IncompatiblePeerError,
     Peer,
     PeerLostError,
@@ -152,7 +153,7 @@ class ReuseReader:
             return self._failed(decision, started, num_tokens, Failure.MISALIGNED, (),
                                 f"the verified range starts at token {decision.fetch_token_range.start}, not "
                                 f"where the local hit of {decision.local_tokens} tokens ends on a local block")
-        return self._fetch(decision, handle, local_ids, num_tokens, started)
+        return self.fetch(decision, handle, local_ids, num_tokens, started=started)
 
     def close(self) -> None:
         """Forget every connected decode (the engine itself stays open)."""
@@ -191,14 +192,23 @@ class ReuseReader:
         self._peers[address] = peer
         return peer
 
-    def _fetch(self, decision: Decision, handle: KVHandle, local_ids: list[int], num_tokens: int,
-               started: float) -> ReuseResult:
+    def fetch(self, decision: Decision, handle: KVHandle, local_ids: Sequence[int], num_tokens: int, *,
+              started: float | None = None, unknown_grace_s: float = 0.0) -> ReuseResult:
+        """Claim, read and confirm what ``decision`` (a fetch) names into ``local_ids``: the second half of
+        :meth:`read`, for a caller that decided elsewhere (vLLM's scheduler decides, its worker fetches).
+
+        ``unknown_grace_s``: how long to retry a claim the owner refuses as unknown (its ledger may learn of a
+        just-issued handle a step later than the reader got it).
+        """
+        started = time.perf_counter() if started is None else started
+        local_ids = [int(b) for b in local_ids]
         deadline = time.monotonic() + self.timeout_s
         claim_s, ticket, peer, confirming = 0.0, None, None, False
         try:
             peer = self._peer(handle)
             t0 = time.perf_counter()
-            ticket = self.engine.claim(peer, handle, decision.fetch_blocks.stop, timeout=_left(deadline))
+            ticket = self._claim(peer, handle, decision.fetch_blocks.stop, deadline,
+                                 time.monotonic() + min(unknown_grace_s, self.timeout_s))
             claim_s = time.perf_counter() - t0
             with self.engine.read(peer, local_ids, list(decision.remote_block_ids), num_tokens=decision.fetch_tokens,
                                   path=self.path, timeout=_left(deadline)) as transfer:
@@ -219,6 +229,16 @@ class ReuseReader:
                                 getattr(exc, "reason", ""))
         return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
                            decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
+
+    def _claim(self, peer: Peer, handle: KVHandle, num_blocks: int, deadline: float,
+               grace_until: float) -> ClaimTicket:
+        while True:
+            try:
+                return self.engine.claim(peer, handle, num_blocks, timeout=_left(deadline))
+            except ClaimRefusedError as exc:
+                if exc.reason != "UnknownHandleError" or time.monotonic() >= grace_until:
+                    raise
+            time.sleep(0.005)  # the owner's ledger hears of the handle on its next engine step
 
     def _result(self, decision: Decision, started: float, num_tokens: int) -> ReuseResult:
         action: Action = "local" if decision.local_tokens > 0 else "recompute"
