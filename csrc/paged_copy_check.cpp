@@ -29,7 +29,13 @@ void check_paged_copy(const PagedCopySpec& s, const uint64_t* plane_bases, int64
                        "head slice [" + std::to_string(s.head_offset) + ", " +
                            std::to_string(s.head_offset + s.staging_heads) + ") outside the paged cache's " +
                            std::to_string(s.num_heads) + " heads");
-  require<LayoutError>(s.block_stride >= s.paged_piece_bytes(), "block_stride smaller than one block piece");
+  require<LayoutError>(s.block_stride >= 0 && s.token_stride >= 0 && s.head_stride >= 0,
+                       "block_stride, token_stride and head_stride must be >= 0");
+  require<LayoutError>(s.num_blocks <= 1 || s.block_stride >= s.row_bytes,
+                       "block_stride smaller than one row: blocks would overlap");
+  require<LayoutError>((s.block_size == 1 || s.token_stride >= s.row_bytes) &&
+                           (s.num_heads == 1 || s.head_stride >= s.row_bytes),
+                       "token_stride and head_stride must be at least row_bytes (rows would overlap)");
   require<LayoutError>(s.num_blocks >= 0, "num_blocks must be >= 0");
   require<BlockIdError>(s.num_tokens >= 0, "num_tokens must be >= 0");
   const int64_t blocks_needed = (s.num_tokens + s.block_size - 1) / s.block_size;

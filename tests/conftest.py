@@ -7,6 +7,8 @@ shape, so the strides tell the token order:
 * flash_attn  logical ``[2, N, B, H, D]``; HND physical ``[2, N, H, B, D]``
 * flashinfer  logical ``[N, 2, B, H, D]``; HND physical ``[N, 2, H, B, D]``
 * mla         logical ``[N, B, D]`` (one head: NHD and HND are the same bytes)
+* vllm_*      vLLM 0.32: all layers views of one flat allocation, ``[N, H, B, 2D]`` per layer, strides from a
+              ``KVCacheLayout`` (``Geo.layout``; the token order follows from it), see ``vllm_views.py``
 
 Tests compare raw bytes only (never values: bf16/fp8 NaN patterns are arbitrary bytes here).
 """
@@ -23,6 +25,7 @@ import numpy.typing as npt
 import pytest
 
 import kvshuttle
+import vllm_views
 from kvshuttle import PagedKVCache, StagingLayout
 
 try:  # the real 2-byte / 1-byte float types when available; same-size integers otherwise
@@ -35,6 +38,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     FP8 = np.dtype(np.uint8)
 
 KINDS = ("flash_attn", "flashinfer", "mla")
+VLLM_KINDS = vllm_views.VLLM_KINDS
+# Every vLLM kind with every KVCacheLayout its views can have (CPU_ATTN: tokens and content adjacent).
+VLLM_CASES = [(k, lay) for k in VLLM_KINDS
+              for lay in (vllm_views.CPU_LAYOUTS if k == "vllm_cpu_attn" else tuple(vllm_views.LAYOUTS))]
 ORDERS = ("NHD", "HND")
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bf16": BF16, "fp8": FP8}
 POISON = 0xA5
@@ -75,7 +82,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ------------------------------------------------------------------------------------------------ geometry
 @dataclass(frozen=True)
 class Geo:
-    """One cache's geometry as the tests describe it (kind, physical order, dtype name, sizes)."""
+    """One cache's geometry as the tests describe it (kind, physical order, dtype name, sizes; vLLM 0.32
+    kinds: the KVCacheLayout, which sets the order)."""
 
     kind: str = "flash_attn"
     order: str = "NHD"
@@ -85,9 +93,24 @@ class Geo:
     block_size: int = 16
     num_heads: int = 4
     head_size: int = 8
+    layout: str = "LBHNC"
+
+    def __post_init__(self) -> None:
+        if self.is_vllm:
+            object.__setattr__(self, "order", vllm_views.token_order(self.layout))
 
     def with_(self, **changes: Any) -> Geo:
         return replace(self, **changes)
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.kind.startswith("vllm_")
+
+    @property
+    def vllm_byte_shape(self) -> tuple[int, ...]:
+        """The logical [L, N, H, B, C-bytes] of the one allocation of a vLLM 0.32 cache."""
+        return vllm_views.logical_byte_shape(self.num_layers, self.num_blocks, self.num_heads, self.block_size,
+                                             self.row_bytes)
 
     @property
     def np_dtype(self) -> np.dtype[Any]:
@@ -112,6 +135,8 @@ class Geo:
     @property
     def logical_shape(self) -> tuple[int, ...]:
         n, b, h, d = self.num_blocks, self.block_size, self.num_heads, self.head_size
+        if self.is_vllm:
+            return (n, h, b, 2 * d)
         return {"flash_attn": (2, n, b, h, d), "flashinfer": (n, 2, b, h, d), "mla": (n, b, d)}[self.kind]
 
     @property
@@ -172,17 +197,23 @@ def canonical_bytes(raw: Bytes, geo: Geo) -> Bytes:
 
 
 class HostCache:
-    """A numpy (or torch CPU) cache whose layers are views of flat uint8 buffers ``raws``."""
+    """A numpy (or torch CPU) cache whose layers are views of flat uint8 buffers ``raws`` (one per layer; one
+    for all layers of a vLLM 0.32 cache)."""
 
     def __init__(self, geo: Geo, raws: list[Bytes], framework: str = "numpy") -> None:
         self.geo = geo
         self.raws = raws
         self.framework = framework
+        if geo.is_vllm:
+            self.byte_layers = vllm_views.numpy_byte_views(raws[0], geo.vllm_byte_shape, geo.layout)
         if framework == "numpy":
-            self.layers: list[Any] = [numpy_layer(r, geo) for r in raws]
+            self.layers: list[Any] = ([b.view(geo.np_dtype) for b in self.byte_layers] if geo.is_vllm
+                                      else [numpy_layer(r, geo) for r in raws])
         elif framework == "torch":
             torch = pytest.importorskip("torch")
-            self.layers = [torch_layer(torch.from_numpy(r), geo) for r in raws]
+            self.layers = ([*vllm_views.torch_views(torch.from_numpy(raws[0]), geo.vllm_byte_shape, geo.layout,
+                                                    torch_dtype(geo.dtype))] if geo.is_vllm
+                           else [torch_layer(torch.from_numpy(r), geo) for r in raws])
         else:  # pragma: no cover - test bug
             raise ValueError(framework)
 
@@ -199,6 +230,10 @@ class HostCache:
         return HostCache(self.geo, self.snapshot(), self.framework)
 
     def canonical(self, layer: int) -> Bytes:
+        """``[P, N, B, H, D, itemsize]`` bytes of one layer, a view (writes land in the cache)."""
+        if self.geo.is_vllm:
+            return vllm_views.canonical_planes(self.byte_layers[layer], self.geo.kind, self.geo.head_size,
+                                               self.geo.itemsize)
         return canonical_bytes(self.raws[layer], self.geo)
 
 
@@ -206,12 +241,13 @@ def make_cache(rng: np.random.Generator | None, geo: Geo, *, fill: int | None = 
                framework: str = "numpy") -> HostCache:
     """A cache of ``geo`` filled with random non-zero bytes (or the byte ``fill``)."""
     raws = []
-    for _ in range(geo.num_layers):
+    for _ in range(1 if geo.is_vllm else geo.num_layers):
+        nbytes = geo.num_layers * geo.layer_nbytes if geo.is_vllm else geo.layer_nbytes
         if fill is None:
             assert rng is not None
-            raws.append(random_bytes(rng, geo.layer_nbytes))
+            raws.append(random_bytes(rng, nbytes))
         else:
-            raws.append(np.full(geo.layer_nbytes, fill, dtype=np.uint8))
+            raws.append(np.full(nbytes, fill, dtype=np.uint8))
     return HostCache(geo, raws, framework)
 
 

@@ -153,6 +153,18 @@ def test_paged_cache_from_arrays(arg: str, value: Any) -> None:
 
 
 @FUZZ
+@given(arg=st.sampled_from(["kv_caches", "layer", "backend", "order"]), value=wrong())
+def test_paged_cache_from_vllm(arg: str, value: Any) -> None:
+    layers = make_cache(np.random.default_rng(3), GEO.with_(kind="vllm_cpu_attn")).layers
+    kwargs: dict[str, Any] = {"kv_caches": dict(enumerate(layers)), "backend": "CPU_ATTN", "order": None}
+    if arg == "layer":
+        kwargs["kv_caches"] = {"a": layers[0], "b": value}
+    else:
+        kwargs[arg] = value
+    named_or_ok(lambda: PagedKVCache.from_vllm(**kwargs))
+
+
+@FUZZ
 @given(arg=st.sampled_from(["cache", "num_tokens", "layout"]), value=wrong())
 def test_staging_nbytes(arg: str, value: Any) -> None:
     kwargs: dict[str, Any] = {"cache": make_cache(np.random.default_rng(4), GEO).cache(), "num_tokens": 10,

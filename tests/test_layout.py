@@ -119,11 +119,25 @@ def test_regions_are_whole_layers(rng, kind, order):
 
 
 def test_layers_as_views_of_one_allocation(rng):
-    """vLLM may carve all layers out of one buffer: [L, 2, N, B, H, D]; each layer[l] is a layer."""
+    """vLLM may carve all layers out of one buffer: [L, 2, N, B, H, D]; each layer[l] is a layer. The layers
+    touch inside one allocation, so they are one region (a descriptor may run from one into the next)."""
     geo = Geo("flash_attn", "NHD", num_layers=3)
     big = random_bytes(rng, 3 * geo.layer_nbytes).view(np.float16).reshape(3, *geo.logical_shape)
     cache = PagedKVCache.from_arrays(list(big), "flash_attn")
-    assert cache.regions() == [(big[i].ctypes.data, geo.layer_nbytes) for i in range(3)]
+    assert cache.regions() == [(big.ctypes.data, 3 * geo.layer_nbytes)]
+    assert [cache.layer_span(i) for i in range(3)] == [(big[i].ctypes.data, geo.layer_nbytes) for i in range(3)]
+    apart = PagedKVCache.from_arrays([big[0], big[2]], "flash_attn")  # a gap between them: two regions
+    assert apart.regions() == [(big[0].ctypes.data, geo.layer_nbytes), (big[2].ctypes.data, geo.layer_nbytes)]
+
+
+def test_touching_separate_allocations_stay_separate_regions(rng):
+    """Two allocations that happen to be adjacent must not be registered as one region."""
+    geo = Geo("flash_attn", "NHD", num_layers=2)
+    buf = random_bytes(rng, 2 * geo.layer_nbytes)
+    first = buf[: geo.layer_nbytes].view(np.float16).reshape(geo.logical_shape)
+    second = np.frombuffer(memoryview(buf)[geo.layer_nbytes:], np.float16).reshape(geo.logical_shape)
+    cache = PagedKVCache.from_arrays([first, second], "flash_attn")
+    assert cache.regions() == [(first.ctypes.data, geo.layer_nbytes), (second.ctypes.data, geo.layer_nbytes)]
 
 
 def test_block_strided_view_regions(rng):
@@ -145,13 +159,16 @@ def test_block_strided_view_regions(rng):
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"])
-def test_hnd_head_slice_view_is_dense(rng, backend):
-    """Heads are outermost in an HND block, so a head slice of an HND cache is still dense per block."""
-    geo = Geo("flash_attn", "HND", num_layers=2, num_heads=4, block_size=4, head_size=5)
+@pytest.mark.parametrize(("kind", "order"), [(k, o) for k in ("flash_attn", "flashinfer") for o in ORDERS])
+def test_head_slice_view_is_a_strided_cache(rng, kind, order, backend):
+    """A head slice of a cache is a valid strided cache (HND: still dense per block; NHD: rows at the full
+    token stride); packing it equals packing the slice of the whole cache."""
+    geo = Geo(kind, order, num_layers=2, num_heads=4, block_size=4, head_size=5)
     host = make_cache(rng, geo)
-    sliced = [layer[:, :, :, 1:3] for layer in host.layers]
-    cache = PagedKVCache.from_arrays(sliced, "flash_attn")
-    assert (cache.geometry.num_heads, cache.geometry.order) == (2, TokenOrder.HND)
+    sliced = [layer[..., 1:3, :] for layer in host.layers]
+    cache = PagedKVCache.from_arrays(sliced, kind)
+    g = cache.geometry
+    assert (g.num_heads, g.order, g.dense_pieces) == (2, TokenOrder(order), order == "HND")
     ids = random_ids(rng, geo.num_blocks, 3)
     got = poisoned(staging_nbytes(cache, 11))
     pack(cache, ids, got, num_tokens=11, backend=backend)
@@ -202,30 +219,43 @@ def test_flashinfer_needs_two_planes_second():
         PagedKVCache.from_arrays([np.ones((2, 4, 4, 2, 8), np.float16)], "flashinfer")
 
 
-@pytest.mark.parametrize("kind", ["flash_attn", "flashinfer"])
-def test_head_sliced_nhd_view_rejected(rng, kind):
-    host = make_cache(rng, Geo(kind, "NHD", num_heads=4))
-    with pytest.raises(LayoutError, match="dense"):
-        PagedKVCache.from_arrays([x[..., :2, :] for x in host.layers], kind)
-    with pytest.raises(LayoutError, match="dense"):
-        PagedKVCache.from_arrays([x[..., 1:2, :] for x in host.layers], kind)
-
-
 @pytest.mark.parametrize(("kind", "order"), KIND_ORDERS)
-def test_head_size_sliced_view_rejected(rng, kind, order):
+def test_head_size_step_rejected(rng, kind, order):
+    """Rows are D contiguous elements: a step over the head dim is not a cache."""
     host = make_cache(rng, Geo(kind, order, head_size=8))
-    with pytest.raises(LayoutError):
-        PagedKVCache.from_arrays([x[..., :4] for x in host.layers], kind)
-    with pytest.raises(LayoutError):
+    with pytest.raises(LayoutError, match="contiguous"):
         PagedKVCache.from_arrays([x[..., ::2] for x in host.layers], kind)
 
 
-def test_transposed_tokens_of_nhd_rejected(rng):
-    """A [2, N, H, B, D]-shaped NHD tensor mislabelled by a transpose is neither NHD- nor HND-dense."""
-    host = make_cache(rng, Geo("flash_attn", "NHD", num_heads=4, block_size=4, head_size=8))
-    weird = host.layers[0].transpose(0, 2, 1, 3, 4)  # blocks and slots swapped
-    with pytest.raises(LayoutError):
-        PagedKVCache.from_arrays([weird], "flash_attn")
+@pytest.mark.parametrize(("kind", "order"), KIND_ORDERS)
+def test_head_size_slice_is_rows_of_fewer_elements(rng, kind, order):
+    """The first 4 of 8 elements of every row are rows of 4 at the same strides (how vLLM 0.32 splits K off
+    V inside its content dim); pack gathers exactly those bytes."""
+    geo = Geo(kind, order, "bf16", num_layers=2, head_size=8, num_heads=3, block_size=4)
+    host = make_cache(rng, geo)
+    cache = PagedKVCache.from_arrays([x[..., :4] for x in host.layers], kind, geo.order)
+    assert (cache.geometry.head_size, cache.geometry.dense_pieces) == (4, False)
+    ids = random_ids(rng, geo.num_blocks, 3)
+    got = poisoned(staging_nbytes(cache, 3 * geo.block_size))
+    pack(cache, ids, got, backend="native")
+    want = poisoned(got.size)
+    pack(cache, ids, want, backend="reference")
+    assert_bytes_equal(got, want)
+    full = poisoned(staging_nbytes(host.cache(), 3 * geo.block_size))
+    oracle_pack(host, ids, full, staging_layout(geo), 3 * geo.block_size)
+    rows = full.reshape(-1, geo.row_bytes)[:, : 4 * geo.itemsize]
+    assert_bytes_equal(got, rows)
+
+
+def test_transposed_tokens_are_a_strided_cache(rng):
+    """A transpose swapping blocks and slots gives blocks that interleave (block stride < piece): a valid
+    strided geometry (vLLM's LHBNC has such blocks), not an error."""
+    geo = Geo("flash_attn", "NHD", num_heads=4, block_size=4, head_size=8, num_blocks=6)
+    host = make_cache(rng, geo)
+    weird = host.layers[0].transpose(0, 2, 1, 3, 4)  # [2, B, N, H, D]: 4 "blocks" of 6 "tokens"
+    g = PagedKVCache.from_arrays([weird], "flash_attn").geometry
+    assert (g.num_blocks, g.block_size, g.block_stride, g.token_stride) == (4, 6, 4 * geo.row_bytes,
+                                                                            geo.piece_bytes)
 
 
 def test_reversed_blocks_rejected(rng):

@@ -19,7 +19,6 @@ from conftest import (
     POISON,
     TRANSFORMS,
     Geo,
-    HostCache,
     assert_bytes_equal,
     assert_caches_equal,
     make_cache,
@@ -31,59 +30,9 @@ from conftest import (
     transform,
 )
 from kvshuttle import StagingLayout, TokenOrder, pack, staging_nbytes, unpack
+from pack_helpers import TAIL, check_both_directions, pack_both, tokens_of, unpack_both
 
 KIND_ORDERS = [(k, o) for k in KINDS for o in ORDERS]
-TAIL = 37  # staging bytes past the used part, which must stay as they were
-
-
-def tokens_of(geo: Geo, ids, num_tokens):
-    return len(ids) * geo.block_size if num_tokens is None else num_tokens
-
-
-def pack_both(host: HostCache, ids, *, layout=None, num_tokens=None, head_offset=0, init=None,
-              offset=0):
-    """Pack with both backends into identically initialised staging; check they agree on every byte.
-
-    ``offset`` shifts the staging start inside its allocation (misaligned addresses).
-    """
-    cache = host.cache()
-    need = staging_nbytes(cache, tokens_of(host.geo, ids, num_tokens), layout)
-    init = poisoned(offset + need + TAIL) if init is None else init[: offset + need + TAIL]
-    before = host.snapshot()
-    out = {}
-    for backend in ("native", "reference"):
-        buf = init.copy()
-        pack(cache, ids, buf[offset: offset + need + TAIL], num_tokens=num_tokens, layout=layout,
-             head_offset=head_offset, backend=backend)
-        out[backend] = buf
-    assert_caches_equal(host.raws, before, "source cache after pack")
-    assert_bytes_equal(out["native"], out["reference"], "staging (native vs reference)")
-    assert_bytes_equal(out["native"][:offset], init[:offset], "bytes before the staging")
-    assert_bytes_equal(out["native"][offset + need:], init[offset + need:], "staging tail")
-    return out["native"][offset: offset + need]
-
-
-def unpack_both(staging, dest: HostCache, ids, *, layout=None, num_tokens=None, head_offset=0):
-    """Unpack with both backends into two identical caches; check they agree on every byte. Returns
-    the native result (``dest`` itself)."""
-    copies = {"native": dest, "reference": dest.clone()}
-    staged_before = staging.copy()
-    for backend, host in copies.items():
-        unpack(staging, host.cache(), ids, num_tokens=num_tokens, layout=layout, head_offset=head_offset,
-               backend=backend)
-    assert_bytes_equal(staging, staged_before, "staging after unpack")
-    assert_caches_equal(copies["native"].raws, copies["reference"].raws, "cache (native vs reference)")
-    return dest
-
-
-def check_both_directions(rng, geo: Geo, ids, *, layout=None, num_tokens=None, head_offset=0):
-    host = make_cache(rng, geo)
-    staging = pack_both(host, ids, layout=layout, num_tokens=num_tokens, head_offset=head_offset)
-    dest = make_cache(rng, geo)
-    unpack_both(random_bytes(rng, staging.size + TAIL), dest, ids, layout=layout, num_tokens=num_tokens,
-                head_offset=head_offset)
-
-
 # ------------------------------------------------------------------------------- kinds, orders, dtypes
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("kind", "order"), KIND_ORDERS)

@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 import kvshuttle
+import vllm_views
 from conftest import (
     DTYPES,
     KINDS,
     ORDERS,
     POISON,
     TRANSFORMS,
+    VLLM_CASES,
     Geo,
     HostCache,
     assert_bytes_equal,
@@ -61,6 +63,10 @@ class TorchDevice:
     def layer(self, raw, geo: Geo):
         return raw.view(torch_dtype(geo.dtype)).reshape(geo.physical_shape).permute(*geo.perm)
 
+    def vllm_layers(self, raw, geo: Geo):
+        """vLLM 0.32's per-layer views of one device allocation (torch.as_strided, then .view(dtype))."""
+        return vllm_views.torch_views(raw, geo.vllm_byte_shape, geo.layout, torch_dtype(geo.dtype))
+
     def sync(self) -> None:
         self.torch.cuda.synchronize()
 
@@ -102,6 +108,9 @@ class CupyDevice:
     def layer(self, raw, geo: Geo):
         return raw.view(self.dtypes[geo.dtype]).reshape(geo.physical_shape).transpose(geo.perm)
 
+    def vllm_layers(self, raw, geo: Geo):
+        return vllm_views.cupy_views(raw, geo.vllm_byte_shape, geo.layout, self.dtypes[geo.dtype])
+
     def sync(self) -> None:
         self.cp.cuda.Device().synchronize()
 
@@ -127,12 +136,16 @@ def dev(request):
 
 
 class DeviceCache:
-    """The GPU twin of a HostCache: the same bytes per layer, at ``offset`` bytes into each allocation."""
+    """The GPU twin of a HostCache: the same bytes per layer (or in the one allocation of a vLLM 0.32 cache),
+    at ``offset`` bytes into each allocation."""
 
     def __init__(self, dev, host: HostCache, offset: int = 0) -> None:
         self.dev, self.geo = dev, host.geo
         self.raws = [dev.upload(r, offset) for r in host.raws]
-        self.layers = [dev.layer(r, host.geo) for r in self.raws]
+        if host.geo.is_vllm:
+            self.layers = dev.vllm_layers(self.raws[0], host.geo)
+        else:
+            self.layers = [dev.layer(r, host.geo) for r in self.raws]
 
     def cache(self) -> PagedKVCache:
         return PagedKVCache.from_arrays(self.layers, self.geo.kind, self.geo.order)
@@ -348,3 +361,61 @@ def test_errors_leave_the_gpu_untouched(dev, rng, direction):
             unpack(staging, host.cache(), [3, 1])
     assert (dev.download(staging) == POISON).all()
     assert_caches_equal(host.raws, before)
+
+
+# ------------------------------------------------------------------------------------- vLLM 0.32 caches
+VLLM_IDS = [f"{k.removeprefix('vllm_')}-{lay}" for k, lay in VLLM_CASES]
+
+
+def vllm_geo(kind: str, layout: str, dtype: str = "bf16", **sizes: int) -> Geo:
+    base = {"num_layers": 3, "num_blocks": 10, "block_size": 16, "num_heads": 4, "head_size": 8}
+    return Geo(kind, "NHD", dtype, layout=layout, **{**base, **sizes})
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("kind", "layout"), VLLM_CASES, ids=VLLM_IDS)
+def test_vllm_pack_and_unpack(dev, rng, kind, layout, dtype, partial):
+    """Interleaved K/V rows at vLLM's strides, every KVCacheLayout: CUDA equals the reference."""
+    geo = vllm_geo(kind, layout, dtype)
+    ids = random_ids(rng, 10, 6)
+    check_both(dev, rng, geo, ids, num_tokens=5 * 16 + 3 if partial else None)
+
+
+@pytest.mark.parametrize("name", ["flip_order", "bs24", "bs5_flip", "head_slice", "head_slice_bs24_flip",
+                                  "head_first_bs48"])
+@pytest.mark.parametrize(("kind", "layout"), VLLM_CASES, ids=VLLM_IDS)
+def test_vllm_transforms(dev, rng, kind, layout, name):
+    geo = vllm_geo(kind, layout, num_layers=2, num_blocks=8)
+    staging, head_offset = transform(geo, name)
+    ids = random_ids(rng, 8, 6)
+    check_both(dev, rng, geo, ids, layout=staging, num_tokens=5 * 16 + 9, head_offset=head_offset)
+
+
+@pytest.mark.parametrize(("dtype", "head_size", "cache_offset", "staging_offset"), [
+    ("float32", 64, 0, 0),    # 16-byte vectors: rows of 256 B, K/V 256 B apart
+    ("float16", 4, 0, 0),     # 8-byte rows: 8-byte vectors
+    ("float16", 8, 4, 0),     # 4
+    ("fp8", 5, 0, 0),         # odd rows and strides: 1
+    ("bf16", 8, 2, 6),        # 2
+])
+@pytest.mark.parametrize(("kind", "layout"), [("vllm_cpu_attn", "LBHNC"), ("vllm_flash_attn", "LBHNC"),
+                                              ("vllm_flashinfer", "BHLNC")])
+def test_vllm_alignment(dev, rng, kind, layout, dtype, head_size, cache_offset, staging_offset):
+    """The vector width must divide the token and head strides too (FlashAttention's rows are 2D apart)."""
+    geo = vllm_geo(kind, layout, dtype, head_size=head_size, num_layers=2, num_blocks=8)
+    ids = random_ids(rng, 8, 5)
+    for name in ("identity", "head_slice_bs24_flip"):
+        staging, head_offset = transform(geo, name)
+        check_both(dev, rng, geo, ids, layout=staging, num_tokens=4 * 16 + 7, head_offset=head_offset,
+                   cache_offset=cache_offset, staging_offset=staging_offset)
+
+
+def test_vllm_observed_cpu_geometry_large(dev, rng):
+    """fp32, 8 heads, head 64, block 32 (CPU_ATTN's page format on a GPU): 128 KiB pages, hundreds of pieces."""
+    geo = vllm_geo("vllm_cpu_attn", "LBHNC", "float32", num_layers=4, num_blocks=96, block_size=32,
+                   num_heads=8, head_size=64)
+    ids = random_ids(rng, 96, 90)
+    check_both(dev, rng, geo, ids, num_tokens=89 * 32 + 3)
+    check_both(dev, rng, geo, ids, layout=staging_layout(geo, block_size=16, order="NHD", num_heads=4),
+               num_tokens=89 * 32 + 3, head_offset=4)

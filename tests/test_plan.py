@@ -272,23 +272,28 @@ def test_descriptors_move_the_right_bytes_between_real_caches(rng, kind, order, 
 
 def test_enumeration_order_follows_local_addresses(rng):
     fa = make_side(rng, "flash_attn", 3, 8, 64, shuffle=True)
-    units = fa.enumeration_units
+    units = fa.walk_groups
     assert units.shape == (6, 1) and np.all(np.diff(fa.plane_bases[units[:, 0]].astype(np.int64)) > 0)
     fi = make_side(rng, "flashinfer", 3, 8, 64, v_first=True, shuffle=False)
-    np.testing.assert_array_equal(fi.enumeration_units, [[1, 0], [3, 2], [5, 4]])
-    assert make_side(rng, "mla", 2, 8, 64).enumeration_units.shape == (2, 1)
+    np.testing.assert_array_equal(fi.walk_groups, [[1, 0], [3, 2], [5, 4]])
+    assert make_side(rng, "mla", 2, 8, 64).walk_groups.shape == (2, 1)
 
 
 # ----------------------------------------------------------------------------------------- the wire
 def test_wire_round_trip_through_msgpack_and_json(rng):
     side = make_side(rng, "flashinfer", 3, 8, 64, base=(1 << 63) + 4096, device=5)
+    side = SideGeometry(side.plane_bases, side.planes_per_layer, side.block_stride, side.piece_bytes,
+                        side.num_blocks, side.device_id, "f0rmat")
     wire = side.to_wire()
-    assert all(isinstance(v, int) for k, v in wire.items() if k != "plane_bases")
+    assert all(isinstance(v, int) for k, v in wire.items() if k not in ("plane_bases", "piece_format"))
+    assert wire["piece_format"] == "f0rmat"
     for codec in (lambda d: msgpack.unpackb(msgpack.packb(d)), lambda d: json.loads(json.dumps(d))):
         back = SideGeometry.from_wire(codec(wire))
         assert back == side and hash(back) == hash(side)
-        np.testing.assert_array_equal(back.enumeration_units, side.enumeration_units)
+        np.testing.assert_array_equal(back.walk_groups, side.walk_groups)
     assert SideGeometry.from_wire({**wire, "device_id": 6}) != side
+    assert SideGeometry.from_wire({**wire, "piece_format": "other"}) != side
+    assert SideGeometry.from_wire({k: v for k, v in wire.items() if k != "piece_format"}).piece_format == ""
 
 
 def test_plane_bases_are_a_private_read_only_copy():
@@ -315,6 +320,8 @@ def test_plane_bases_are_a_private_read_only_copy():
     ({"block_stride": 32}, "blocks overlap"),
     ({"num_blocks": 2.0}, "integer"),
     ({"device_id": True}, "integer"),
+    ({"piece_format": 5}, "piece_format"),
+    ({"piece_format": "x" * 65}, "piece_format"),
     ({"plane_bases": [2**64 - 8192, 2**64 - 256]}, "64-bit address space"),
 ])
 def test_bad_geometry_is_a_layout_error(wire, fragment):
@@ -374,11 +381,11 @@ def test_native_entry_point_guards_its_memory_accesses(rng):
     native = kv_plan.native.ext
     side = make_side(rng, "flash_attn", 1, 4, 64)
     spec = native.ReadPlanSpec()
-    spec.num_units, spec.planes_per_unit, spec.piece_bytes = 2, 1, 64
+    spec.num_walk_groups, spec.planes_per_walk_group, spec.piece_bytes = 2, 1, 64
     spec.local_block_stride = spec.remote_block_stride = 64
     ids, bases, units = np.array([0, 1], dtype=np.int64), side.plane_bases, np.array([0, 1])
     for bad_units, exc_text in [(np.array([0, 2]), "outside the base tables"), (np.array([-1, 0]), "outside"),
-                                (np.array([0]), "expected num_units")]:
+                                (np.array([0]), "expected num_walk_groups")]:
         with pytest.raises(LayoutError, match=exc_text):
             native.plan_read_descriptors(spec, bad_units, bases, ids, bases, ids, 4, 4)
     with pytest.raises(BlockIdError, match="differ in length"):

@@ -127,3 +127,19 @@ def test_errors_name_invalid_blocks_and_types() -> None:
     assert isinstance(TransferTimeoutError("late"), TimeoutError)
     assert isinstance(StagingTooSmallError("small"), StagingError)
     assert TransferError("plain").invalid_block_ids == ()
+
+
+def test_pages_that_hold_rows_differently_are_a_layout_difference() -> None:
+    """CPU_ATTN and FlashAttention 0.32 pages agree on order, block size and heads, but not on where rows sit:
+    a direct (byte for byte) read between them would scramble K and V, so the engine must pick packed."""
+    from kvshuttle import PagedKVCache
+    from vllm_views import logical_byte_shape, numpy_byte_views
+
+    shape = logical_byte_shape(2, 4, 8, 32, 64 * 4)
+    buf = np.zeros(int(np.prod(shape)), dtype=np.uint8)
+    views = [v.view(np.float32) for v in numpy_byte_views(buf, shape, "LBHNC")]
+    cpu = PagedKVCache.from_vllm({f"l{i}": v for i, v in enumerate(views)}, "CPU_ATTN").geometry
+    flash = PagedKVCache.from_vllm({f"l{i}": v for i, v in enumerate(views)}, "FLASH_ATTN").geometry
+    assert layout_difference(cpu, cpu) is None
+    difference = layout_difference(cpu, flash)
+    assert difference is not None and "rows" in difference

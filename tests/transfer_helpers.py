@@ -56,6 +56,38 @@ def block_bytes(cache: HostCache, ids: Any) -> Bytes:
     return np.stack([cache.canonical(layer)[:, ids] for layer in range(cache.geo.num_layers)])
 
 
+class LocalReader:
+    """A reader engine over its own cache of ``geo`` (random bytes, poisoned on demand), connected lazily to
+    an owner process's caches by index."""
+
+    def __init__(self, geo: Geo, owner: OwnerProcess, config: dict[str, Any], seed: int = 7) -> None:
+        from kvshuttle.transfer import EngineConfig, TransferEngine
+
+        self.cache = make_cache(np.random.default_rng(seed), geo)
+        self.engine = TransferEngine(self.cache.cache(), EngineConfig(**config))
+        self.owner = owner
+        self.peers: dict[int, Any] = {}
+
+    def peer(self, index: int) -> Any:
+        if index not in self.peers:
+            self.peers[index] = self.engine.connect(self.owner.addresses[index])
+        return self.peers[index]
+
+    def poison(self, fill: int = 0xA5) -> None:
+        for raw in self.cache.raws:  # one flat buffer per layer, or one for all (vLLM 0.32)
+            raw[:] = fill
+
+    def check_tokens(self, source: HostCache, lids: Any, rids: Any, num_tokens: int, *, local_head_offset: int = 0,
+                     remote_head_offset: int = 0, heads: int | None = None) -> None:
+        """The read tokens equal the owner's ``source``; blocks outside ``lids`` still hold the poison."""
+        h = heads or min(self.cache.geo.heads, source.geo.heads)
+        got = token_bytes(self.cache, lids, num_tokens, local_head_offset, h)
+        want = token_bytes(source, rids, num_tokens, remote_head_offset, h)
+        assert np.array_equal(got, want), "read tokens differ from the owner's bytes"
+        others = np.setdiff1d(np.arange(self.cache.geo.num_blocks), lids)
+        assert (block_bytes(self.cache, others) == 0xA5).all(), "a block outside the read was written"
+
+
 def _owner_main(conn: Any, specs: list[OwnerSpec]) -> None:
     from kvshuttle.transfer import EngineConfig, TransferEngine
 

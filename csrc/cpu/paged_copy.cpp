@@ -54,12 +54,13 @@ struct Copier {
   }
 };
 
-// Copies tokens [j, j + len) of one paged piece to slots [k, k + len) of one staging piece (or back).
+// Copies tokens [j, j + len) of one paged piece to slots [k, k + len) of one staging piece (or back), in the
+// largest runs contiguous on both sides: whole token rows, a token's heads, a head's tokens, or single rows.
 template <Direction kDir>
 inline void copy_segment(const PagedCopySpec& s, char* paged, char* staged, int64_t j, int64_t k,
                          int64_t len, const Copier& copy) {
   const int64_t R = s.row_bytes, Hp = s.num_heads, Hs = s.staging_heads, h0 = s.head_offset;
-  const int64_t Bp = s.block_size, Bs = s.staging_block_size;
+  const int64_t Bs = s.staging_block_size, ts = s.token_stride, hs = s.head_stride;
   auto move = [&](int64_t paged_off, int64_t staged_off, int64_t n) {
     if (kDir == Direction::Pack) {
       copy(staged + staged_off, paged + paged_off, n);
@@ -67,22 +68,25 @@ inline void copy_segment(const PagedCopySpec& s, char* paged, char* staged, int6
       copy(paged + paged_off, staged + staged_off, n);
     }
   };
-  const bool paged_nhd = s.order == TokenOrder::NHD, staged_nhd = s.staging_order == TokenOrder::NHD;
-  if (paged_nhd && staged_nhd) {
-    if (Hs == Hp) {
-      move(j * Hp * R, k * Hs * R, len * Hs * R);  // whole token rows are contiguous on both sides
+  const bool heads_adjacent = Hs == 1 || hs == R;  // a token's copied heads are one paged run
+  const bool tokens_adjacent = len == 1 || ts == R;  // a head's copied tokens are one paged run
+  if (s.staging_order == TokenOrder::NHD) {
+    if (heads_adjacent && Hs == Hp && (len == 1 || ts == Hp * R)) {
+      move(j * ts + h0 * hs, k * Hs * R, len * Hs * R);  // whole token rows are contiguous on both sides
+    } else if (Hs == 1 && tokens_adjacent) {
+      move(j * ts + h0 * hs, k * R, len * R);
+    } else if (heads_adjacent) {
+      for (int64_t t = 0; t < len; ++t) move((j + t) * ts + h0 * hs, (k + t) * Hs * R, Hs * R);
     } else {
-      for (int64_t t = 0; t < len; ++t) move(((j + t) * Hp + h0) * R, (k + t) * Hs * R, Hs * R);
+      for (int64_t t = 0; t < len; ++t) {
+        for (int64_t h = 0; h < Hs; ++h) move((j + t) * ts + (h0 + h) * hs, ((k + t) * Hs + h) * R, R);
+      }
     }
-  } else if (!paged_nhd && !staged_nhd) {
-    for (int64_t h = 0; h < Hs; ++h) move(((h0 + h) * Bp + j) * R, (h * Bs + k) * R, len * R);
+  } else if (tokens_adjacent) {
+    for (int64_t h = 0; h < Hs; ++h) move(j * ts + (h0 + h) * hs, (h * Bs + k) * R, len * R);
   } else {
     for (int64_t t = 0; t < len; ++t) {
-      for (int64_t h = 0; h < Hs; ++h) {
-        const int64_t p_off = paged_nhd ? ((j + t) * Hp + h0 + h) * R : ((h0 + h) * Bp + j + t) * R;
-        const int64_t s_off = staged_nhd ? ((k + t) * Hs + h) * R : (h * Bs + k + t) * R;
-        move(p_off, s_off, R);
-      }
+      for (int64_t h = 0; h < Hs; ++h) move((j + t) * ts + (h0 + h) * hs, (h * Bs + k + t) * R, R);
     }
   }
 }
@@ -99,7 +103,7 @@ void copy_items(const PagedCopySpec& s, const uint64_t* bases, const int64_t* id
     char* paged = reinterpret_cast<char*>(bases[lp]) + ids[i] * s.block_stride;
     const int64_t first = i * s.block_size;
     const int64_t ntok = std::min(s.block_size, s.num_tokens - first);
-    if (flat && (ntok == s.block_size || s.order == TokenOrder::NHD)) {
+    if (flat && (ntok == s.block_size || s.staging_order == TokenOrder::NHD)) {
       char* staged = staging + i * unit_bytes + lp * piece_bytes;
       const int64_t n = ntok * s.num_heads * s.row_bytes;
       if (kDir == Direction::Pack) copy(staged, paged, n); else copy(paged, staged, n);

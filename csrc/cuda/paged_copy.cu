@@ -1,5 +1,7 @@
 // CUDA pack/unpack: one launch covers every (block id, layer-plane) piece; one warp per piece.
 // Vector width is the widest of 16/8/4/2/1 bytes that divides the row and every address and stride.
+// Paged rows sit at token and head strides (dense NHD/HND blocks, or vLLM 0.32 pages whose planes interleave
+// row by row); a piece that is dense in the staging order is copied as one run (the flat path).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,8 +34,9 @@ void cuda_check(cudaError_t err, const char* what) {
 struct KernelGeometry {
   uint32_t planes, block_size, num_heads, head_offset, staging_block_size, staging_heads, num_tokens;
   uint32_t row_vecs;  // vectors per row
-  bool paged_nhd, staged_nhd;
-  uint64_t block_stride, unit_bytes, piece_bytes, row_bytes;
+  bool heads_inner;   // paged heads of a token are closer than tokens of a head (walk heads in the lanes)
+  bool staged_nhd;
+  uint64_t block_stride, token_stride, head_stride, unit_bytes, piece_bytes, row_bytes;
   char* staging;
 };
 
@@ -70,9 +73,9 @@ __device__ __forceinline__ void locate(const KernelGeometry& g, const Piece& pie
     return;
   }
   const uint32_t v = e % g.row_vecs, row = e / g.row_vecs;
-  // Walk rows in the paged side's order so consecutive lanes read consecutive memory.
+  // Walk rows in the paged side's order so consecutive lanes read the closest memory.
   uint32_t j, h;
-  if (g.paged_nhd) {
+  if (g.heads_inner) {
     h = row % g.staging_heads;
     j = row / g.staging_heads;
   } else {
@@ -80,11 +83,10 @@ __device__ __forceinline__ void locate(const KernelGeometry& g, const Piece& pie
     h = row / piece.ntok;
   }
   const uint32_t t = piece.first + j, unit = t / g.staging_block_size, k = t % g.staging_block_size;
-  const uint64_t paged_row = g.paged_nhd ? uint64_t(j) * g.num_heads + g.head_offset + h
-                                         : uint64_t(g.head_offset + h) * g.block_size + j;
+  const uint64_t paged_off = uint64_t(j) * g.token_stride + uint64_t(g.head_offset + h) * g.head_stride;
   const uint64_t staged_row = g.staged_nhd ? uint64_t(k) * g.staging_heads + h
                                            : uint64_t(h) * g.staging_block_size + k;
-  paged = piece.paged + paged_row * g.row_bytes + v * sizeof(Vec);
+  paged = piece.paged + paged_off + v * sizeof(Vec);
   staged = piece.staged + uint64_t(unit) * g.unit_bytes + staged_row * g.row_bytes + v * sizeof(Vec);
 }
 
@@ -172,7 +174,7 @@ void launch_widest(int width, const KernelGeometry& g, bool flat, uint32_t items
 
 int widest_vector(const PagedCopySpec& s, const uint64_t* bases) {
   uint64_t bits = static_cast<uint64_t>(s.row_bytes) | static_cast<uint64_t>(s.block_stride) |
-                  s.staging_addr;
+                  static_cast<uint64_t>(s.token_stride) | static_cast<uint64_t>(s.head_stride) | s.staging_addr;
   for (int64_t lp = 0; lp < s.num_planes(); ++lp) bits |= bases[lp];
   for (int width = 16; width > 1; width /= 2) {
     if ((bits & (width - 1)) == 0) return width;
@@ -216,15 +218,18 @@ void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
   g.staging_heads = static_cast<uint32_t>(spec.staging_heads);
   g.num_tokens = static_cast<uint32_t>(spec.num_tokens);
   g.row_vecs = static_cast<uint32_t>(spec.row_bytes / width);
-  g.paged_nhd = spec.order == TokenOrder::NHD;
+  g.heads_inner = spec.num_heads == 1 || (spec.block_size > 1 && spec.head_stride < spec.token_stride);
   g.staged_nhd = spec.staging_order == TokenOrder::NHD;
   g.block_stride = static_cast<uint64_t>(spec.block_stride);
+  g.token_stride = static_cast<uint64_t>(spec.token_stride);
+  g.head_stride = static_cast<uint64_t>(spec.head_stride);
   g.unit_bytes = static_cast<uint64_t>(spec.staging_unit_bytes());
   g.piece_bytes = static_cast<uint64_t>(spec.staging_piece_bytes());
   g.row_bytes = static_cast<uint64_t>(spec.row_bytes);
   g.staging = reinterpret_cast<char*>(spec.staging_addr);
   // A partial last block is contiguous only in NHD order.
-  const bool flat = spec.is_flat() && (spec.order == TokenOrder::NHD || spec.num_tokens % spec.block_size == 0);
+  const bool flat = spec.is_flat() &&
+                    (spec.staging_order == TokenOrder::NHD || spec.num_tokens % spec.block_size == 0);
 
   std::exception_ptr failure;  // rethrown after the scratch is freed, with its type (a CudaError)
   if (err == cudaSuccess) {

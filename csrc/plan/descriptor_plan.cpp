@@ -1,10 +1,11 @@
 // Read planning in one pass over the pieces: compute both addresses, extend the open row or start one.
 //
-// Fast path: when every unit is dense on both sides (its planes back to back inside a block, blocks back
-// to back), the pieces of one id in one unit are a single contiguous stretch on each side, and id i + 1
-// joins id i exactly when both sides' stretches step by one unit. So ids split once into runs, and each
-// unit writes one row per run with no test inside the unit: consecutive runs never join by construction.
-// Only a unit's first run may join the previous unit's last row. Both paths write identical rows.
+// Fast path: when every walk group is dense on both sides (its columns back to back inside a block, blocks
+// back to back), the pieces of one id in one group are a single contiguous stretch on each side, and id
+// i + 1 joins id i exactly when both sides' stretches step by one group. So ids split once into runs, and
+// each group writes one row per run with no test inside the group: consecutive runs never join by
+// construction. Only a group's first run may join the previous group's last row. Both paths write identical
+// rows.
 #include <string>
 #include <vector>
 
@@ -14,32 +15,32 @@
 namespace kvshuttle {
 namespace {
 
-bool side_is_dense(const ReadPlanSpec& spec, const int64_t* unit_planes, const uint64_t* bases,
+bool side_is_dense(const ReadPlanSpec& spec, const int64_t* walk_group_planes, const uint64_t* bases,
                    uint64_t block_stride) {
-  const uint64_t per_unit = static_cast<uint64_t>(spec.planes_per_unit);
-  if (block_stride != per_unit * spec.piece_bytes) return false;
-  for (int64_t unit = 0; unit < spec.num_units; ++unit) {
-    const int64_t* planes = unit_planes + unit * spec.planes_per_unit;
-    for (int64_t k = 1; k < spec.planes_per_unit; ++k) {
+  const uint64_t per_group = static_cast<uint64_t>(spec.planes_per_walk_group);
+  if (block_stride != per_group * spec.piece_bytes) return false;
+  for (int64_t group = 0; group < spec.num_walk_groups; ++group) {
+    const int64_t* planes = walk_group_planes + group * spec.planes_per_walk_group;
+    for (int64_t k = 1; k < spec.planes_per_walk_group; ++k) {
       if (bases[planes[k]] != bases[planes[0]] + static_cast<uint64_t>(k) * spec.piece_bytes) return false;
     }
   }
   return true;
 }
 
-bool units_are_dense(const ReadPlanSpec& spec, const int64_t* unit_planes, const uint64_t* local_bases,
-                     const uint64_t* remote_bases) {
-  return side_is_dense(spec, unit_planes, local_bases, spec.local_block_stride) &&
-         side_is_dense(spec, unit_planes, remote_bases, spec.remote_block_stride);
+bool groups_are_dense(const ReadPlanSpec& spec, const int64_t* walk_group_planes, const uint64_t* local_bases,
+                      const uint64_t* remote_bases) {
+  return side_is_dense(spec, walk_group_planes, local_bases, spec.local_block_stride) &&
+         side_is_dense(spec, walk_group_planes, remote_bases, spec.remote_block_stride);
 }
 
-// Runs of ids whose unit stretches follow each other on both sides (dense units only). Offsets are
+// Runs of ids whose group stretches follow each other on both sides (dense groups only). Offsets are
 // modulo 2^64 like the addresses, so the join test is the one the piece path makes.
 struct IdRuns {
-  std::vector<uint64_t> local_offset, remote_offset, bytes;  // per run, from a unit's first plane base
+  std::vector<uint64_t> local_offset, remote_offset, bytes;  // per run, from a group's first column base
 
   IdRuns(const ReadPlanSpec& spec, const int64_t* local_ids, const int64_t* remote_ids, int64_t num_ids) {
-    const uint64_t unit = static_cast<uint64_t>(spec.planes_per_unit) * spec.piece_bytes;
+    const uint64_t group = static_cast<uint64_t>(spec.planes_per_walk_group) * spec.piece_bytes;
     const uint64_t local_stride = spec.local_block_stride, remote_stride = spec.remote_block_stride;
     local_offset.reserve(static_cast<size_t>(num_ids));
     remote_offset.reserve(static_cast<size_t>(num_ids));
@@ -49,14 +50,14 @@ struct IdRuns {
       const uint64_t local = static_cast<uint64_t>(local_ids[i]) * local_stride;
       const uint64_t remote = static_cast<uint64_t>(remote_ids[i]) * remote_stride;
       if (i > 0 && local == local_end && remote == remote_end) {
-        bytes.back() += unit;
+        bytes.back() += group;
       } else {
         local_offset.push_back(local);
         remote_offset.push_back(remote);
-        bytes.push_back(unit);
+        bytes.push_back(group);
       }
-      local_end = local + unit;
-      remote_end = remote + unit;
+      local_end = local + group;
+      remote_end = remote + group;
     }
   }
   int64_t size() const { return static_cast<int64_t>(bytes.size()); }
@@ -97,16 +98,16 @@ struct RowWriter {
   }
 };
 
-int64_t plan_dense(const ReadPlanSpec& spec, const int64_t* unit_planes, const uint64_t* local_bases,
+int64_t plan_dense(const ReadPlanSpec& spec, const int64_t* walk_group_planes, const uint64_t* local_bases,
                    const uint64_t* remote_bases, const IdRuns& runs, RowWriter& out) {
   const int64_t num_runs = runs.size();
   if (num_runs == 0) return 0;
   const uint64_t* local_offset = runs.local_offset.data();
   const uint64_t* remote_offset = runs.remote_offset.data();
   const uint64_t* bytes = runs.bytes.data();
-  for (int64_t unit = 0; unit < spec.num_units; ++unit) {
-    const uint64_t local_base = local_bases[unit_planes[unit * spec.planes_per_unit]];
-    const uint64_t remote_base = remote_bases[unit_planes[unit * spec.planes_per_unit]];
+  for (int64_t group = 0; group < spec.num_walk_groups; ++group) {
+    const uint64_t local_base = local_bases[walk_group_planes[group * spec.planes_per_walk_group]];
+    const uint64_t remote_base = remote_bases[walk_group_planes[group * spec.planes_per_walk_group]];
     out.add(local_base + local_offset[0], remote_base + remote_offset[0], bytes[0]);
     for (int64_t run = 1; run < num_runs; ++run) {
       out.start(local_base + local_offset[run], remote_base + remote_offset[run], bytes[run]);
@@ -115,19 +116,19 @@ int64_t plan_dense(const ReadPlanSpec& spec, const int64_t* unit_planes, const u
   return out.rows;
 }
 
-int64_t plan_pieces(const ReadPlanSpec& spec, const int64_t* unit_planes, const uint64_t* local_bases,
+int64_t plan_pieces(const ReadPlanSpec& spec, const int64_t* walk_group_planes, const uint64_t* local_bases,
                     const int64_t* local_ids, const uint64_t* remote_bases, const int64_t* remote_ids,
                     int64_t num_ids, RowWriter& out) {
   // Locals, not spec fields: a row store through uint64_t* could alias spec and force reloads.
   const uint64_t piece = spec.piece_bytes;
   const uint64_t local_stride = spec.local_block_stride, remote_stride = spec.remote_block_stride;
-  const int64_t per_unit = spec.planes_per_unit, num_units = spec.num_units;
-  for (int64_t unit = 0; unit < num_units; ++unit) {
-    const int64_t* planes = unit_planes + unit * per_unit;
+  const int64_t per_group = spec.planes_per_walk_group, num_walk_groups = spec.num_walk_groups;
+  for (int64_t group = 0; group < num_walk_groups; ++group) {
+    const int64_t* planes = walk_group_planes + group * per_group;
     for (int64_t i = 0; i < num_ids; ++i) {
       const uint64_t local_block = static_cast<uint64_t>(local_ids[i]) * local_stride;
       const uint64_t remote_block = static_cast<uint64_t>(remote_ids[i]) * remote_stride;
-      for (int64_t k = 0; k < per_unit; ++k) {
+      for (int64_t k = 0; k < per_group; ++k) {
         out.add(local_bases[planes[k]] + local_block, remote_bases[planes[k]] + remote_block, piece);
       }
     }
@@ -152,18 +153,18 @@ bool read_ids_are_ready(const int64_t* local_ids, const int64_t* remote_ids, int
   return ready && local_blocks >= 0 && remote_blocks >= 0;
 }
 
-void check_read_plan(const ReadPlanSpec& spec, const int64_t* unit_planes, int64_t num_unit_planes,
+void check_read_plan(const ReadPlanSpec& spec, const int64_t* walk_group_planes, int64_t num_walk_group_planes,
                      int64_t num_local_planes, int64_t num_remote_planes) {
-  if (spec.num_units < 0 || spec.planes_per_unit <= 0 || spec.piece_bytes == 0) {
-    throw LayoutError("read plan needs num_units >= 0, planes_per_unit > 0, piece_bytes > 0 "
+  if (spec.num_walk_groups < 0 || spec.planes_per_walk_group <= 0 || spec.piece_bytes == 0) {
+    throw LayoutError("read plan needs num_walk_groups >= 0, planes_per_walk_group > 0, piece_bytes > 0 "
                       "(build the spec from SideGeometry, as plan_read does)");
   }
-  if (num_unit_planes != spec.num_units * spec.planes_per_unit) {
-    throw LayoutError("unit plane table has " + std::to_string(num_unit_planes) +
-                      " entries, expected num_units * planes_per_unit");
+  if (num_walk_group_planes != spec.num_walk_groups * spec.planes_per_walk_group) {
+    throw LayoutError("walk group table has " + std::to_string(num_walk_group_planes) +
+                      " entries, expected num_walk_groups * planes_per_walk_group");
   }
-  for (int64_t k = 0; k < num_unit_planes; ++k) {
-    const int64_t plane = unit_planes[k];
+  for (int64_t k = 0; k < num_walk_group_planes; ++k) {
+    const int64_t plane = walk_group_planes[k];
     if (plane < 0 || plane >= num_local_planes || plane >= num_remote_planes) {
       throw LayoutError("plane index " + std::to_string(plane) + " is outside the base tables (pass every "
                         "plane's base address on both sides)");
@@ -171,16 +172,16 @@ void check_read_plan(const ReadPlanSpec& spec, const int64_t* unit_planes, int64
   }
 }
 
-int64_t plan_read_descriptors(const ReadPlanSpec& spec, const int64_t* unit_planes,
+int64_t plan_read_descriptors(const ReadPlanSpec& spec, const int64_t* walk_group_planes,
                               const uint64_t* local_bases, const int64_t* local_ids,
                               const uint64_t* remote_bases, const int64_t* remote_ids, int64_t num_ids,
                               uint64_t* local_out, uint64_t* remote_out) {
   RowWriter out{spec.local_device, spec.remote_device, local_out, remote_out};
-  if (units_are_dense(spec, unit_planes, local_bases, remote_bases)) {
+  if (groups_are_dense(spec, walk_group_planes, local_bases, remote_bases)) {
     const IdRuns runs(spec, local_ids, remote_ids, num_ids);
-    return plan_dense(spec, unit_planes, local_bases, remote_bases, runs, out);
+    return plan_dense(spec, walk_group_planes, local_bases, remote_bases, runs, out);
   }
-  return plan_pieces(spec, unit_planes, local_bases, local_ids, remote_bases, remote_ids, num_ids, out);
+  return plan_pieces(spec, walk_group_planes, local_bases, local_ids, remote_bases, remote_ids, num_ids, out);
 }
 
 }  // namespace kvshuttle

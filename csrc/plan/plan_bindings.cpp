@@ -67,10 +67,10 @@ class RowArray {
 
 // None when the ids are not sorted by local id, repeat a local id or fall outside a cache: the caller
 // sorts or rejects them with a named error and calls again.
-py::object plan_read(const ReadPlanSpec& spec, const Indices& unit_planes, const Bases& local_bases,
+py::object plan_read(const ReadPlanSpec& spec, const Indices& walk_group_planes, const Bases& local_bases,
                      const Indices& local_ids, const Bases& remote_bases, const Indices& remote_ids,
                      int64_t local_blocks, int64_t remote_blocks) {
-  check_read_plan(spec, unit_planes.data(), unit_planes.size(), local_bases.size(), remote_bases.size());
+  check_read_plan(spec, walk_group_planes.data(), walk_group_planes.size(), local_bases.size(), remote_bases.size());
   if (local_ids.size() != remote_ids.size()) {
     throw BlockIdError("local and remote id arrays differ in length; pass one remote id per local id");
   }
@@ -84,7 +84,7 @@ py::object plan_read(const ReadPlanSpec& spec, const Indices& unit_planes, const
   int64_t rows = 0;
   {
     py::gil_scoped_release release;
-    rows = plan_read_descriptors(spec, unit_planes.data(), local_bases.data(), local_ids.data(),
+    rows = plan_read_descriptors(spec, walk_group_planes.data(), local_bases.data(), local_ids.data(),
                                  remote_bases.data(), remote_ids.data(), num_ids, local.data(),
                                  remote.data());
   }
@@ -95,15 +95,15 @@ py::object plan_read(const ReadPlanSpec& spec, const Indices& unit_planes, const
 void register_plan(py::module_& m) {
   py::class_<ReadPlanSpec>(m, "ReadPlanSpec")
       .def(py::init<>())
-      .def_readwrite("num_units", &ReadPlanSpec::num_units)
-      .def_readwrite("planes_per_unit", &ReadPlanSpec::planes_per_unit)
+      .def_readwrite("num_walk_groups", &ReadPlanSpec::num_walk_groups)
+      .def_readwrite("planes_per_walk_group", &ReadPlanSpec::planes_per_walk_group)
       .def_readwrite("piece_bytes", &ReadPlanSpec::piece_bytes)
       .def_readwrite("local_block_stride", &ReadPlanSpec::local_block_stride)
       .def_readwrite("remote_block_stride", &ReadPlanSpec::remote_block_stride)
       .def_readwrite("local_device", &ReadPlanSpec::local_device)
       .def_readwrite("remote_device", &ReadPlanSpec::remote_device)
       .def("num_pieces", &ReadPlanSpec::num_pieces, py::arg("num_ids"));
-  m.def("plan_read_descriptors", &plan_read, py::arg("spec"), py::arg("unit_planes"), py::arg("local_bases"),
+  m.def("plan_read_descriptors", &plan_read, py::arg("spec"), py::arg("walk_group_planes"), py::arg("local_bases"),
         py::arg("local_ids"), py::arg("remote_bases"), py::arg("remote_ids"), py::arg("local_blocks"),
         py::arg("remote_blocks"),
         "Rows (addr, len, dev) for both sides of a read, coalesced where both sides are contiguous; "

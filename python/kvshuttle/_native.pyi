@@ -30,7 +30,8 @@ class PagedCopySpec(metaclass=_Pybind11Type):
     block_size: int
     num_heads: int
     head_offset: int
-    order: TokenOrder
+    token_stride: int
+    head_stride: int
     staging_addr: int
     staging_bytes: int
     staging_block_size: int
@@ -67,8 +68,8 @@ def build_info() -> BuildInfo: ...
 def cuda_device_count() -> int: ...
 
 class ReadPlanSpec(metaclass=_Pybind11Type):
-    num_units: int
-    planes_per_unit: int
+    num_walk_groups: int
+    planes_per_walk_group: int
     piece_bytes: int
     local_block_stride: int
     remote_block_stride: int
@@ -78,7 +79,7 @@ class ReadPlanSpec(metaclass=_Pybind11Type):
     def num_pieces(self, num_ids: int) -> int: ...
 
 def plan_read_descriptors(
-    spec: ReadPlanSpec, unit_planes: npt.NDArray[np.int64], local_bases: npt.NDArray[np.uint64],
+    spec: ReadPlanSpec, walk_group_planes: npt.NDArray[np.int64], local_bases: npt.NDArray[np.uint64],
     local_ids: npt.NDArray[np.int64], remote_bases: npt.NDArray[np.uint64], remote_ids: npt.NDArray[np.int64],
     local_blocks: int, remote_blocks: int,
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None: ...

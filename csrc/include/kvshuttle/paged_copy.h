@@ -1,8 +1,11 @@
 // Paged KV <-> staging copies: the one parameter struct shared by the CPU and CUDA paths.
 //
 // A paged cache is `num_layers * planes_per_layer` planes (K and V, or one MLA latent plane). Plane `lp`
-// holds block `b` at `plane_bases[lp] + b * block_stride`; inside a block the bytes are
-// [block_size][num_heads][row_bytes] (NHD) or [num_heads][block_size][row_bytes] (HND).
+// holds block `b` at `plane_bases[lp] + b * block_stride`; inside a block, token j of head h is a row of
+// `row_bytes` contiguous bytes at `j * token_stride + h * head_stride`. Dense NHD blocks
+// ([block_size][num_heads][row], token_stride = num_heads * row_bytes, head_stride = row_bytes) and dense
+// HND blocks ([num_heads][block_size][row]) are the common cases, copied in the largest runs; the planes of
+// a layer may interleave row by row (vLLM 0.32 pages), the rows are then copied one by one.
 //
 // Staging is block-major and canonical (see docs/ARCHITECTURE.md):
 //   staging[unit][layer][plane][piece],  piece = [staging_block_size][staging_heads][row] (NHD)
@@ -28,7 +31,8 @@ struct PagedCopySpec {
   int64_t block_size = 0;        // tokens per paged block
   int64_t num_heads = 0;         // heads per token in the paged cache
   int64_t head_offset = 0;       // first paged head copied (tensor-parallel shard)
-  TokenOrder order = TokenOrder::NHD;
+  int64_t token_stride = 0;      // bytes between consecutive tokens of one head inside a block
+  int64_t head_stride = 0;       // bytes between consecutive heads of one token inside a block
   // Staging side.
   uint64_t staging_addr = 0;
   int64_t staging_bytes = 0;
@@ -45,9 +49,16 @@ struct PagedCopySpec {
   int64_t staging_unit_bytes() const { return num_planes() * staging_piece_bytes(); }
   int64_t num_units() const { return (num_tokens + staging_block_size - 1) / staging_block_size; }
   int64_t required_staging_bytes() const { return num_units() * staging_unit_bytes(); }
-  // One contiguous copy per piece: same token order, block size and heads on both sides.
+  // Whether paged blocks are dense in `o` (one contiguous [B][H][row] or [H][B][row] piece).
+  bool paged_dense(TokenOrder o) const {
+    const bool nhd = o == TokenOrder::NHD;
+    const bool heads_dense = num_heads == 1 || head_stride == (nhd ? 1 : block_size) * row_bytes;
+    const bool tokens_dense = block_size == 1 || token_stride == (nhd ? num_heads : 1) * row_bytes;
+    return heads_dense && tokens_dense;
+  }
+  // One contiguous copy per piece: paged blocks dense in the staging order, same block size and heads.
   bool is_flat() const {
-    return order == staging_order && block_size == staging_block_size && num_heads == staging_heads &&
+    return paged_dense(staging_order) && block_size == staging_block_size && num_heads == staging_heads &&
            head_offset == 0;
   }
 };

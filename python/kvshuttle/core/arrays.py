@@ -109,6 +109,27 @@ def describe(x: object) -> ArrayView:
     )
 
 
+def allocation_of(x: object) -> int | None:
+    """An identity of the allocation an array views (equal for views of one buffer), or None when unknown.
+
+    torch: the storage's address; cupy: the memory block's address; numpy: the object at the root of the
+    ``.base`` chain (kept alive by the views, so its id is stable while they live).
+    """
+    if _is_torch_tensor(x):
+        t: Any = x
+        return int(t.untyped_storage().data_ptr())
+    if not isinstance(x, np.ndarray):
+        ptr = getattr(getattr(getattr(x, "data", None), "mem", None), "ptr", None)  # cupy: x.data.mem.ptr
+        return ptr if isinstance(ptr, int) else None
+    root: Any = x
+    for _ in range(64):  # as_strided and friends wrap the buffer in objects that have a .base too
+        base = getattr(root, "base", None)
+        if base is None:
+            break
+        root = base
+    return id(root)
+
+
 def host_bytes(address: int, nbytes: int) -> npt.NDArray[np.uint8]:
     """A writable uint8 numpy view of host memory (used by the reference on any CPU array)."""
     if nbytes == 0:

@@ -1,18 +1,18 @@
 """Paged KV cache layouts as vLLM allocates them, and the geometry the native code needs.
 
-Every supported layout is reduced to one canonical strided view per layer, ``[P, N, B, H, D]``:
-P planes (K and V, or the single MLA latent), N blocks, B tokens per block, H heads, D elements per head.
-Inside one (plane, block) *piece* the bytes must be dense, in NHD (``[B][H][D]``) or HND (``[H][B][D]``)
-order; blocks and planes may sit at any non-overlapping stride (FlashAttention keeps K and V in separate
-regions, FlashInfer interleaves them per block).
+Every supported layout (:mod:`kvshuttle.core.kinds`) is reduced to one canonical strided view per layer,
+``[P, N, B, H, D]``: P planes (K and V, or the single MLA latent), N blocks, B tokens per block, H heads,
+D elements per head. A (plane, block) *piece* is H x B rows of D contiguous elements at a per-cache
+``token_stride`` and ``head_stride``: dense NHD (``[B][H][D]``) and HND (``[H][B][D]``) are special cases,
+and the K and V planes of a layer may interleave row by row (vLLM 0.32's CPU_ATTN and FlashAttention
+pages). Blocks, planes and layers may sit at any strides that keep every row apart.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -20,45 +20,22 @@ import numpy.typing as npt
 
 from .._values import is_int
 from ..errors import LayoutError, shown
-from .arrays import ArrayView, describe
+from .arrays import ArrayView, allocation_of, describe
 from .blocks import blocks_for_tokens
+from .kinds import CacheKind, TokenOrder, cache_kind, canonical, token_order, vllm_kind
+from .strides import evenly_spaced, extent, is_dense, merged_regions, nested_disjoint, normalised, token_orders
 
-
-class CacheKind(str, enum.Enum):
-    """Which attention backend's tensor shape the per-layer arrays have."""
-
-    FLASH_ATTN = "flash_attn"  # [2, num_blocks, block_size, num_kv_heads, head_size]
-    FLASHINFER = "flashinfer"  # [num_blocks, 2, block_size, num_kv_heads, head_size]
-    MLA = "mla"  # [num_blocks, block_size, head_size]
-
-
-class TokenOrder(str, enum.Enum):
-    """Physical order inside a block: tokens then heads (NHD) or heads then tokens (HND)."""
-
-    NHD = "NHD"
-    HND = "HND"
-
-
-def cache_kind(value: CacheKind | str) -> CacheKind:
-    try:
-        return CacheKind(value)
-    except (ValueError, TypeError):
-        raise LayoutError(f"unknown cache kind {shown(value)}; use one of {[k.value for k in CacheKind]}") from None
-
-
-def token_order(value: TokenOrder | str) -> TokenOrder:
-    try:
-        return TokenOrder(value)
-    except (ValueError, TypeError):
-        raise LayoutError(f"unknown token order {shown(value)}; use 'NHD' or 'HND'") from None
-
-
-_LOGICAL_NDIM = {CacheKind.FLASH_ATTN: 5, CacheKind.FLASHINFER: 5, CacheKind.MLA: 3}
+__all__ = ["CacheGeometry", "CacheKind", "PagedKVCache", "StagingLayout", "TokenOrder", "cache_kind", "token_order"]
 
 
 @dataclass(frozen=True)
 class CacheGeometry:
-    """Shape, element type and strides shared by every layer of one paged cache."""
+    """Shape, element type and byte strides shared by every layer of one paged cache.
+
+    Row (plane p, block n, token j, head h) of a layer starts at ``layer base + p * plane_stride +
+    n * block_stride + j * token_stride + h * head_stride`` and holds ``head_size`` contiguous elements.
+    ``order`` is the order of the larger of token and head stride (tokens outer: NHD).
+    """
 
     kind: CacheKind
     order: TokenOrder
@@ -72,10 +49,12 @@ class CacheGeometry:
     device: str
     block_stride: int  # bytes between consecutive blocks of one plane
     plane_stride: int  # bytes from the K plane to the V plane of one layer (0 for MLA)
+    token_stride: int  # bytes between consecutive tokens of one head in a block
+    head_stride: int  # bytes between consecutive heads of one token in a block
 
     @property
     def planes_per_layer(self) -> int:
-        return 1 if self.kind is CacheKind.MLA else 2
+        return self.kind.planes
 
     @property
     def num_planes(self) -> int:
@@ -96,6 +75,24 @@ class CacheGeometry:
         """KV bytes of one token across all layers and planes."""
         return self.num_planes * self.num_heads * self.row_bytes
 
+    @property
+    def dense_pieces(self) -> bool:
+        """Whether every piece is one dense run in ``order`` (then the identity staging layout copies each
+        piece with one memcpy)."""
+        return is_dense(self.order, self.block_size, self.num_heads, self.token_stride, self.head_stride,
+                        self.row_bytes)
+
+    @property
+    def layer_dims(self) -> list[tuple[int, int]]:
+        """(extent, byte stride) of planes, blocks, tokens and heads of one layer."""
+        return [(self.planes_per_layer, self.plane_stride), (self.num_blocks, self.block_stride),
+                (self.block_size, self.token_stride), (self.num_heads, self.head_stride)]
+
+    @property
+    def layer_span_bytes(self) -> int:
+        """Bytes from a layer's first row to the end of its last."""
+        return extent(self.layer_dims, self.row_bytes)
+
     def describe(self) -> str:
         return (
             f"{self.kind.value}/{self.order.value} {self.num_layers} layers x {self.num_blocks} blocks x "
@@ -108,7 +105,8 @@ class StagingLayout:
     """How tokens sit in a staging buffer: units of ``block_size`` tokens, ``num_heads`` heads, an order.
 
     Staging is block-major: ``[unit][layer][plane][piece]`` with each piece ``[block_size][num_heads][D]``
-    (NHD) or ``[num_heads][block_size][D]`` (HND). Token t is in unit ``t // block_size``.
+    (NHD) or ``[num_heads][block_size][D]`` (HND), dense whatever the cache's strides. Token t is in unit
+    ``t // block_size``.
     """
 
     block_size: int
@@ -126,7 +124,8 @@ class StagingLayout:
 
     @classmethod
     def like(cls, geometry: CacheGeometry, num_heads: int | None = None) -> StagingLayout:
-        """The identity layout of a cache (optionally a head slice of it): one memcpy per piece."""
+        """The identity layout of a cache (optionally a head slice of it): one memcpy per piece when the
+        cache's pieces are dense, else the staging order closest to the cache's (its ``order``)."""
         return cls(geometry.block_size, num_heads or geometry.num_heads, geometry.order)
 
     def num_units(self, num_tokens: int) -> int:
@@ -138,69 +137,56 @@ class StagingLayout:
         return self.num_units(num_tokens) * geometry.num_planes * piece
 
 
-def _canonical(view: ArrayView, kind: CacheKind) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and byte strides of one layer as [P, N, B, H, D]."""
-    if len(view.shape) != _LOGICAL_NDIM[kind]:
+def _geometry(kind: CacheKind, first: ArrayView, num_layers: int, order: TokenOrder | str | None) -> CacheGeometry:
+    """The geometry of layers like ``first``; LayoutError when its rows are not contiguous or overlap."""
+    shape, strides = canonical(first, kind)
+    if min(shape[1:]) <= 0:
+        raise LayoutError(f"empty cache dimension in shape {first.shape}")
+    planes, num_blocks, block_size, num_heads, head_size = shape
+    row = head_size * first.itemsize
+    if head_size > 1 and strides[4] != first.itemsize:
         raise LayoutError(
-            f"a {kind.value} layer must have {_LOGICAL_NDIM[kind]} dimensions, got shape {view.shape}"
+            f"the elements of one head must be contiguous; got byte strides {strides} for shape {shape} "
+            "(a view with a step over the head dim? pass the tensor vLLM allocated)"
         )
-    shape, strides = view.shape, view.strides
-    if kind is CacheKind.FLASH_ATTN:
-        if shape[0] != 2:
-            raise LayoutError(f"a flash_attn layer is [2, N, B, H, D]; got shape {shape}")
-        return shape, strides
-    if kind is CacheKind.FLASHINFER:
-        if shape[1] != 2:
-            raise LayoutError(f"a flashinfer layer is [N, 2, B, H, D]; got shape {shape}")
-        order = (1, 0, 2, 3, 4)
-        return tuple(shape[i] for i in order), tuple(strides[i] for i in order)
-    n, b, d = shape
-    return (1, n, b, 1, d), (0, strides[0], strides[1], d * view.itemsize, strides[2])
+    orders = token_orders(block_size, num_heads, strides[2], strides[3])
+    piece_order = orders[0] if order is None else token_order(order)
+    if piece_order not in orders:
+        raise LayoutError(f"the strides say {orders[0].value}, but order={piece_order.value}")
+    token_stride, head_stride = normalised(piece_order, block_size, num_heads, strides[2], strides[3], row)
+    geometry = CacheGeometry(
+        kind=kind, order=piece_order, num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+        num_heads=num_heads, head_size=head_size, dtype=first.dtype, itemsize=first.itemsize,
+        device=first.device, block_stride=strides[1], plane_stride=strides[0] if planes > 1 else 0,
+        token_stride=token_stride, head_stride=head_stride,
+    )
+    if not nested_disjoint(geometry.layer_dims, row):
+        raise LayoutError(f"blocks, planes or rows overlap: byte strides {strides} (planes, blocks, tokens, "
+                          f"heads, elements) for shape {shape}; reversed or overlapping views are not caches")
+    return geometry
 
 
-def _piece_orders(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> list[TokenOrder]:
-    """The orders (NHD, HND) a dense piece is consistent with; LayoutError when it is not dense.
-
-    With one head or one token per block both orders describe the same bytes.
-    """
-    _, _, b, h, d = shape
-    row = d * itemsize
-    orders = []
-    if strides[4] == itemsize or d == 1:
-        if (strides[3] == row or h == 1) and (strides[2] == h * row or b == 1):
-            orders.append(TokenOrder.NHD)
-        if (strides[2] == row or b == 1) and (strides[3] == b * row or h == 1):
-            orders.append(TokenOrder.HND)
-    if not orders:
-        raise LayoutError(
-            f"blocks must be dense in NHD or HND order; got byte strides {strides} for shape {shape} "
-            "(a sliced or transposed view? pass the tensor vLLM allocated)"
-        )
-    return orders
-
-
-def _pieces_overlap(shape: tuple[int, ...], strides: tuple[int, ...], piece: int) -> bool:
-    planes, blocks = shape[0], shape[1]
-    plane_stride, block_stride = strides[0], strides[1]
-    if block_stride < 0 or plane_stride < 0:
-        return True
-    if planes == 1:
-        return blocks > 1 and block_stride < piece
-    blocks_then_planes = block_stride >= piece and plane_stride >= blocks * block_stride
-    planes_inside_blocks = plane_stride >= piece and block_stride >= planes * plane_stride
-    return not (blocks_then_planes or planes_inside_blocks)
-
-
-def _span(base: int, shape: tuple[int, ...], strides: tuple[int, ...], piece: int) -> tuple[int, int]:
-    last = base + (shape[0] - 1) * strides[0] + (shape[1] - 1) * strides[1]
-    return base, last + piece
+def _check_layers_apart(geometry: CacheGeometry, views: Sequence[ArrayView]) -> None:
+    """LayoutError when two layers share a byte. Layers whose spans interleave (vLLM's block-major layouts,
+    BLHNC: every layer's page of block n sits in block n's stretch) must be evenly spaced views of one
+    pattern whose rows stay apart."""
+    size = geometry.layer_span_bytes
+    spans = sorted((v.address, v.address + size) for v in views)
+    if all(end <= start for (_, end), (start, _) in pairwise(spans)):
+        return
+    step = evenly_spaced([v.address for v in views])
+    dims = [*geometry.layer_dims, (len(views), step or 0)]
+    if step is None or not nested_disjoint(dims, geometry.row_bytes):
+        raise LayoutError("two layers share memory; pass each layer's own cache tensor once (vLLM: the "
+                          "per-layer views register_kv_caches received)")
 
 
 @dataclass(frozen=True)
 class PagedKVCache:
     """The per-layer caches of one worker, validated, with their plane base addresses.
 
-    Build it once (caches are allocated once) with :meth:`from_arrays`; pack/unpack take it.
+    Build it once (caches are allocated once) with :meth:`from_arrays` (or :meth:`from_vllm`); pack/unpack
+    take it.
     """
 
     geometry: CacheGeometry
@@ -223,31 +209,7 @@ class PagedKVCache:
             raise LayoutError("need at least one layer")
         views = [describe(x) for x in layers]
         first = views[0]
-        shape, strides = _canonical(first, kind)
-        orders = _piece_orders(shape, strides, first.itemsize)
-        piece_order = orders[0] if order is None else token_order(order)
-        if piece_order not in orders:
-            raise LayoutError(f"the strides say {orders[0].value}, but order={piece_order.value}")
-        _, num_blocks, block_size, num_heads, head_size = shape
-        if min(shape[1:]) <= 0:
-            raise LayoutError(f"empty cache dimension in shape {first.shape}")
-        geometry = CacheGeometry(
-            kind=kind,
-            order=piece_order,
-            num_layers=len(views),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_heads=num_heads,
-            head_size=head_size,
-            dtype=first.dtype,
-            itemsize=first.itemsize,
-            device=first.device,
-            block_stride=strides[1],
-            plane_stride=strides[0],
-        )
-        if _pieces_overlap(shape, strides, geometry.piece_bytes):
-            raise LayoutError(f"blocks or planes overlap: byte strides {strides} for pieces of "
-                              f"{geometry.piece_bytes} bytes")
+        geometry = _geometry(kind, first, len(views), order)
         for index, view in enumerate(views[1:], start=1):
             got = (view.shape, view.strides, view.dtype, view.device)
             want = (first.shape, first.strides, first.dtype, first.device)
@@ -255,21 +217,42 @@ class PagedKVCache:
                 raise LayoutError(
                     f"layer {index} differs from layer 0: shape/strides/dtype/device {got} vs {want}"
                 )
-        spans = sorted(_span(v.address, shape, strides, geometry.piece_bytes) for v in views)
-        for (_, end), (start, _) in itertools.pairwise(spans):
-            if start < end:
-                raise LayoutError("two layers share memory; pass each layer's own cache tensor once")
-        offsets = np.arange(geometry.planes_per_layer, dtype=np.uint64) * np.uint64(max(strides[0], 0))
+        _check_layers_apart(geometry, views)
+        offsets = np.arange(geometry.planes_per_layer, dtype=np.uint64) * np.uint64(geometry.plane_stride)
         bases = (np.array([v.address for v in views], dtype=np.uint64)[:, None] + offsets).reshape(-1)
         return cls(geometry=geometry, plane_bases=bases, layers=tuple(views))
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Mapping[str, Any], backend: CacheKind | str,
+                  order: TokenOrder | str | None = None) -> PagedKVCache:
+        """The cache vLLM 0.32 hands ``register_kv_caches``: ``{layer name: [B, H, N, C] view}`` in layer order.
+
+        ``backend`` is the attention backend's name (``"CPU_ATTN"``, ``"FLASH_ATTN"``, ``"FLASHINFER"``) or a
+        ``vllm_*`` kind. Layers that share one tensor (vLLM's cross-layer KV sharing) are kept once.
+        """
+        kind = vllm_kind(backend)
+        if not isinstance(kv_caches, Mapping):
+            raise LayoutError(f"kv_caches must be vLLM's dict of layer name -> per-layer view, got "
+                              f"{type(kv_caches).__name__}")
+        layers, seen = [], set()
+        for tensor in kv_caches.values():
+            view = describe(tensor)
+            key = (view.address, view.shape, view.strides, view.dtype)
+            if key not in seen:
+                seen.add(key)
+                layers.append(tensor)
+        return cls.from_arrays(layers, kind, order)
 
     @property
     def is_cuda(self) -> bool:
         return self.geometry.device.startswith("cuda")
 
+    def layer_span(self, layer: int) -> tuple[int, int]:
+        """(address, bytes) from layer ``layer``'s first row to the end of its last."""
+        return self.layers[layer].address, self.geometry.layer_span_bytes
+
     def regions(self) -> list[tuple[int, int]]:
-        """(address, bytes) of each layer's memory span: what a transfer engine registers."""
-        shape = (self.geometry.planes_per_layer, self.geometry.num_blocks)
-        strides = (self.geometry.plane_stride, self.geometry.block_stride)
-        spans = [_span(v.address, shape, strides, self.geometry.piece_bytes) for v in self.layers]
-        return [(start, end - start) for start, end in spans]
+        """(address, bytes) of the memory to register with a transfer engine, without overlap: each layer's
+        span, merged where spans overlap (layers interleaved per block) or touch inside one allocation."""
+        size = self.geometry.layer_span_bytes
+        return merged_regions([(v.address, v.address + size, allocation_of(v.owner)) for v in self.layers])

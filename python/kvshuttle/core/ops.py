@@ -42,7 +42,7 @@ class CopyPlan:
         spec.num_layers, spec.planes_per_layer = g.num_layers, g.planes_per_layer
         spec.num_blocks, spec.block_stride = g.num_blocks, g.block_stride
         spec.block_size, spec.num_heads, spec.head_offset = g.block_size, g.num_heads, self.head_offset
-        spec.order = ext.TokenOrder.NHD if g.order is TokenOrder.NHD else ext.TokenOrder.HND
+        spec.token_stride, spec.head_stride = g.token_stride, g.head_stride
         spec.staging_addr, spec.staging_bytes = self.staging.address, self.staging.nbytes
         spec.staging_block_size, spec.staging_heads = layout.block_size, layout.num_heads
         spec.staging_order = ext.TokenOrder.NHD if layout.order is TokenOrder.NHD else ext.TokenOrder.HND

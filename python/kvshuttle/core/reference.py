@@ -16,16 +16,13 @@ Bytes = npt.NDArray[np.uint8]
 
 
 def layer_pages(cache: PagedKVCache, layer: int) -> Bytes:
-    """Layer ``layer`` of a host cache as a writable uint8 view ``[P, N, B, H, row_bytes]``."""
+    """Layer ``layer`` of a host cache as a writable uint8 view ``[P, N, B, H, row_bytes]`` (its strides)."""
     g = cache.geometry
-    start, nbytes = cache.regions()[layer]
-    flat = host_bytes(start, nbytes)
-    row = g.row_bytes
-    token_stride, head_stride = (g.num_heads * row, row) if g.order is TokenOrder.NHD else (row, g.block_size * row)
+    start, nbytes = cache.layer_span(layer)
     return np.lib.stride_tricks.as_strided(
-        flat,
-        shape=(g.planes_per_layer, g.num_blocks, g.block_size, g.num_heads, row),
-        strides=(g.plane_stride, g.block_stride, token_stride, head_stride, 1),
+        host_bytes(start, nbytes),
+        shape=(g.planes_per_layer, g.num_blocks, g.block_size, g.num_heads, g.row_bytes),
+        strides=(g.plane_stride, g.block_stride, g.token_stride, g.head_stride, 1),
     )
 
 
@@ -79,7 +76,7 @@ def unpack(
 
 
 def plan_read(
-    unit_planes: npt.NDArray[np.int64], piece_bytes: int,
+    walk_groups: npt.NDArray[np.int64], piece_bytes: int,
     local_bases: npt.NDArray[np.uint64], local_ids: npt.NDArray[np.int64], local_stride: int,
     local_device: int,
     remote_bases: npt.NDArray[np.uint64], remote_ids: npt.NDArray[np.int64], remote_stride: int,
@@ -87,10 +84,10 @@ def plan_read(
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """NIXL (addr, len, dev) rows for both sides of a read; see :func:`kvshuttle.plan.plan_read`.
 
-    Pieces are enumerated ``for unit in unit_planes: for i in ids: for plane in unit`` and a piece joins the
-    previous descriptor when it starts exactly where that descriptor ends on both sides.
+    Pieces are enumerated ``for group in walk_groups: for i in ids: for column in group`` and a piece joins
+    the previous descriptor when it starts exactly where that descriptor ends on both sides.
     """
-    planes, ids = unit_planes[:, None, :], (slice(None), None)
+    planes, ids = walk_groups[:, None, :], (slice(None), None)
     local_addr = local_bases[planes] + local_ids.astype(np.uint64)[ids] * np.uint64(local_stride)
     remote_addr = remote_bases[planes] + remote_ids.astype(np.uint64)[ids] * np.uint64(remote_stride)
     local_addr, remote_addr = local_addr.reshape(-1), remote_addr.reshape(-1)

@@ -13,12 +13,13 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 
 from ..core.layout import CacheGeometry, cache_kind, token_order
+from ..core.pages import direct_difference
 from ..core.plan import SideGeometry
 from ..errors import KVShuttleError
 from ._nixl import MemType
 from .errors import IncompatiblePeerError, ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: the handshake carries the whole CacheGeometry and mem_type
+PROTOCOL_VERSION = 3  # 3: CacheGeometry with row strides, SideGeometry with its piece format
 NOTIF_PREFIX = b"kvshuttle:done:"
 
 
@@ -128,4 +129,8 @@ def layout_difference(local: CacheGeometry, remote: CacheGeometry) -> str | None
         diffs.append(f"block size {remote.block_size} -> {local.block_size}")
     if local.num_heads != remote.num_heads:
         diffs.append(f"heads {remote.num_heads} -> {local.num_heads}")
+    if not diffs:  # same order, block size and heads, but are the rows where the other side expects them?
+        pages = direct_difference(local, remote)
+        if pages is not None:
+            diffs.append(pages)
     return ", ".join(diffs) or None
