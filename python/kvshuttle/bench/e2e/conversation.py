@@ -1,0 +1,139 @@
+"""A multi-turn conversation over a prefill and a decode engine, routed as vLLM's multi-turn proxy routes it.
+
+Per turn (vLLM ``examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py``, see the reference
+notes' bidirectional spec, section 5):
+
+1. prefill gets the whole prompt with ``max_tokens=1`` and ``kv_transfer_params``:
+   turn 1 ``{"do_remote_decode": True, "do_remote_prefill": False, "remote_*": None}``; later turns the
+   decode's params of the previous turn with ``do_remote_decode=True, do_remote_prefill=False`` (prefill then
+   reads the conversation's KV back from decode and computes only the rest);
+2. decode gets the same prompt, ``max_tokens`` and prefill's returned ``kv_transfer_params`` unchanged (it
+   reads the prompt's KV from prefill and generates the answer);
+3. decode's returned ``kv_transfer_params`` are kept for the next turn (use-once, like the proxy's cache).
+
+The next prompt is the previous prompt + the decode's answer + new "user" tokens, an exact continuation of
+decode's sequence (the bidirectional mode's requirement). ``run_local_conversation`` replays the same prompts
+on one engine without transfers: the reference the disaggregated answers must equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .tiny_model import random_prompt
+
+#: What the proxy sends prefill when it holds nothing for the conversation (vLLM's toy and multi-turn proxies).
+FIRST_TURN_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+    "remote_host": None, "remote_port": None,
+}
+
+
+class Engine(Protocol):
+    """What the driver needs from an engine (``VllmEngine`` has it)."""
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int,
+                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]: ...
+
+
+@dataclass
+class ConversationPlan:
+    """The token-level shape of a synthetic conversation (ids drawn from the model's non-special vocabulary)."""
+
+    turns: int = 3
+    first_tokens: int = 512
+    next_tokens: int = 64
+    answer_tokens: int = 16
+    vocab: int = 4096
+    seed: int = 0
+
+    def user_tokens(self, turn: int) -> list[int]:
+        """The new tokens the client adds at ``turn`` (1-based)."""
+        n = self.first_tokens if turn == 1 else self.next_tokens
+        return random_prompt(n, vocab=self.vocab, seed=self.seed * 1000 + turn)
+
+
+@dataclass
+class Turn:
+    """One turn: the prompt, and what each engine returned (see ``VllmEngine.generate``)."""
+
+    turn: int
+    prompt: list[int]
+    prefill_params: dict[str, Any]
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    reference: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def answer(self) -> list[int]:
+        return list(self.decode["token_ids"])
+
+    def summary(self) -> dict[str, Any]:
+        """A flat row for printing: lengths, times, the tokens decode reported it had (prompt + answer - 1)."""
+        dparams = self.decode.get("kv_transfer_params") or {}
+        return {
+            "turn": self.turn, "prompt_tokens": len(self.prompt),
+            "prefill_ttft_s": _r(self.prefill.get("ttft_s")),
+            "prefill_engine_ttft_s": _r(self.prefill.get("engine_ttft_s")),
+            "prefill_latency_s": _r(self.prefill.get("latency_s")),
+            "prefill_cached_tokens": self.prefill.get("num_cached_tokens"),
+            "decode_ttft_s": _r(self.decode.get("ttft_s")), "decode_latency_s": _r(self.decode.get("latency_s")),
+            "decode_cached_tokens": self.decode.get("num_cached_tokens"),
+            "decode_remote_num_tokens": dparams.get("remote_num_tokens"),
+            "matches_reference": None if self.reference is None else self.reference["token_ids"] == self.answer,
+        }
+
+
+def prefill_params_for(previous_decode_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``kv_transfer_params`` the multi-turn proxy sends prefill, given decode's last returned params."""
+    if not previous_decode_params:
+        return copy.deepcopy(FIRST_TURN_PARAMS)
+    params = copy.deepcopy(previous_decode_params)
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    return params
+
+
+def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan, *,
+                        reuse_decode_params: bool = True) -> list[Turn]:
+    """Run ``plan.turns`` turns through prefill then decode; returns every turn's results.
+
+    ``reuse_decode_params=False`` sends every turn as a first turn (prefill recomputes the whole prompt):
+    the same traffic without the reverse read, for a side-by-side TTFT.
+    """
+    turns: list[Turn] = []
+    prompt: list[int] = []
+    handle: dict[str, Any] | None = None
+    for k in range(1, plan.turns + 1):
+        if turns:
+            prompt = prompt + turns[-1].answer
+        prompt = prompt + plan.user_tokens(k)
+        p_params = prefill_params_for(handle if reuse_decode_params else None)
+        p_out = prefill.generate(prompt, 1, copy.deepcopy(p_params))
+        d_params = p_out.get("kv_transfer_params")
+        if not d_params:
+            raise RuntimeError(f"turn {k}: prefill returned no kv_transfer_params: {p_out}")
+        d_out = decode.generate(prompt, plan.answer_tokens, copy.deepcopy(d_params))
+        turn = Turn(k, list(prompt), p_params, p_out, d_out)
+        if p_out["token_ids"][:1] != d_out["token_ids"][:1]:
+            turn.notes.append(f"prefill's token {p_out['token_ids'][:1]} != decode's first {d_out['token_ids'][:1]}")
+        turns.append(turn)
+        handle = d_out.get("kv_transfer_params")
+    return turns
+
+
+def run_local_conversation(engine: Engine, turns: list[Turn]) -> list[dict[str, Any]]:
+    """Replay each turn's prompt on one engine with no transfer parameters; attach and return the results."""
+    results = []
+    for turn in turns:
+        out = engine.generate(turn.prompt, len(turn.answer), None)
+        turn.reference = out
+        results.append(out)
+    return results
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(float(value), digits)

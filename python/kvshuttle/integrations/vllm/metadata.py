@@ -1,0 +1,52 @@
+"""What the scheduler side tells the worker side each step, and what a worker tells the scheduler at start-up.
+
+Plain picklable dataclasses: under vLLM's multiprocess executor the metadata is pickled to the worker; under
+the single-process one it is the same object, so the scheduler never touches it after handing it over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...policy import Decision
+from .compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Read ``decision``'s blocks of the handle in ``params`` into ``local_block_ids`` for ``request_id``."""
+
+    request_id: str
+    params: dict[str, Any]
+    decision: Decision
+    local_block_ids: tuple[int, ...]
+    num_tokens: int  # prompt length
+
+
+@dataclass(frozen=True)
+class RetainJob:
+    """Keep ``block_ids`` for a finished request under the handle the scheduler already published."""
+
+    request_id: str
+    handle_id: str
+    block_ids: tuple[int, ...]
+    digests: tuple[bytes, ...]
+    num_tokens: int
+    block_size: int
+    ttl_s: float
+    use_once: bool
+
+
+@dataclass
+class ShuttleMetadata(KVConnectorMetadata):
+    loads: list[LoadJob] = field(default_factory=list)
+    retains: list[RetainJob] = field(default_factory=list)
+
+
+@dataclass
+class ShuttleHandshake(KVConnectorHandshakeMetadata):
+    """Where the worker serves its blocks (published in every handle the scheduler issues)."""
+
+    host: str
+    port: int

@@ -1,0 +1,81 @@
+"""What the connector reports through vLLM's own stats path: decisions by reason, reads and their cost,
+retention. Both sides report; vLLM merges them with ``aggregate`` and logs ``reduce()`` as
+"KV Transfer metrics: ..." (and hands the same data to :class:`ShuttlePromMetrics`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from ...reuse import ReuseResult
+
+GAUGES = ("retained_blocks", "retained_bytes", "live_handles")  # the latest value wins, not the sum
+
+
+@dataclass
+class ShuttleStats(KVConnectorStats):
+    """``data``: counters (``decision.<reason>``, ``read.<outcome>``, ``tokens_read``, ``bytes_read``,
+    ``transfer_s``, ...) and the gauges in :data:`GAUGES`. Plain numbers: picklable and msgpack-able."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items()}
+        reads = self.data.get("read.fetched", 0)
+        if reads:
+            out["avg_transfer_ms"] = round(1e3 * self.data.get("transfer_s", 0.0) / reads, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    @staticmethod
+    def counting(counts: dict[str, int], prefix: str) -> ShuttleStats:
+        return ShuttleStats(data={f"{prefix}.{k}": v for k, v in counts.items()})
+
+    def add_result(self, result: ReuseResult) -> None:
+        outcome = "fetched" if result.action == "fetched" else result.reason
+        self.data[f"read.{outcome}"] = self.data.get(f"read.{outcome}", 0) + 1
+        if result.owner_reason:
+            key = f"refused.{result.owner_reason}"
+            self.data[key] = self.data.get(key, 0) + 1
+        if result.telemetry is not None:
+            self.data["tokens_read"] = self.data.get("tokens_read", 0) + result.fetched_tokens
+            self.data["bytes_read"] = self.data.get("bytes_read", 0) + result.bytes
+            self.data["transfer_s"] = self.data.get("transfer_s", 0.0) + result.telemetry.transfer_time_s
+
+
+class ShuttlePromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvshuttle_*`` Prometheus metrics, one series per engine (vLLM's ``model_name``/``engine`` labels)."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter, gauge = self._counter_cls, self._gauge_cls
+        self._events = counter(name="vllm:kvshuttle_events", documentation="kvshuttle decisions, reads and "
+                               "refusals, by kind (e.g. decision.fetch, read.claim_refused)",
+                               labelnames=[*labelnames, "kind"])
+        self._tokens = counter(name="vllm:kvshuttle_tokens_read", documentation="Tokens whose KV was read from a "
+                               "peer instead of computed", labelnames=labelnames)
+        self._bytes = counter(name="vllm:kvshuttle_bytes_read", documentation="KV bytes read from peers",
+                              labelnames=labelnames)
+        self._retained = gauge(name="vllm:kvshuttle_retained_blocks", documentation="Blocks kept for readers",
+                               labelnames=labelnames, multiprocess_mode="mostrecent")
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.items():
+            if key.startswith(("decision.", "read.", "refused.")):
+                self._events.labels(*labels, key).inc(value)
+        self._tokens.labels(*labels).inc(transfer_stats_data.get("tokens_read", 0))
+        self._bytes.labels(*labels).inc(transfer_stats_data.get("bytes_read", 0))
+        if "retained_blocks" in transfer_stats_data:
+            self._retained.labels(*labels).set(transfer_stats_data["retained_blocks"])

