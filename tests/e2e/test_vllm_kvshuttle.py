@@ -44,6 +44,13 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
         groups = [prefill.pgid, decode.pgid]
         turns = run_pd_conversation(prefill, decode, plan)
         run_local_conversation(prefill, turns)
+        # An edited history: the client changed one token of turn 1 (block 3 of 32-token blocks) and goes on.
+        edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
+        edited[100] = (edited[100] + 1) % plan.vocab
+        handle = dict(turns[-1].decode["kv_transfer_params"], do_remote_decode=True, do_remote_prefill=False)
+        edited_prefill = prefill.generate(edited, 1, handle)
+        edited_decode = decode.generate(edited, plan.answer_tokens, edited_prefill["kv_transfer_params"])
+        edited_local = prefill.generate(edited, plan.answer_tokens, None)
     except Exception:
         print("prefill log:\n" + _tail(tmp_path / "prefill.log") + "\ndecode log:\n" + _tail(tmp_path / "decode.log"))
         raise
@@ -76,3 +83,8 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
         d_lp, r_lp = t.decode["first_logprobs"], t.reference["first_logprobs"]
         for tok in set(d_lp) & set(r_lp):
             assert abs(d_lp[tok] - r_lp[tok]) < 1e-3
+
+    # Edited history: prefill reused only the verified prefix (blocks 0-2), and the answer is still right.
+    assert edited_prefill["kv_transfer_params"]["kvshuttle_read_tokens"] == 96
+    assert edited_prefill["num_cached_tokens"] == 96
+    assert edited_decode["token_ids"] == edited_local["token_ids"]
