@@ -25,3 +25,18 @@ def test_a_hanging_test_is_stopped(tmp_path: Path) -> None:
     assert run.returncode != 0
     assert "Timeout" in run.stdout + run.stderr
     assert time.monotonic() - start < 30
+
+
+def test_no_statement_hides_after_the_raising_call() -> None:
+    """Inside ``pytest.raises`` only one statement, and not an ``assert``: anything after the call that raises
+    never runs, and an assert around it never checks, so either would pass whether it holds or not."""
+    import ast
+
+    offenders = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.With) and (len(node.body) > 1 or isinstance(node.body[0], ast.Assert)) and any(
+                    isinstance(item.context_expr, ast.Call)
+                    and getattr(item.context_expr.func, "attr", "") == "raises" for item in node.items):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
