@@ -8,17 +8,28 @@ a warning at start-up, and the hooks below are the only places that touch vLLM's
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
-import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
 log = logging.getLogger("kvshuttle.vllm")
+
+try:
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+except ImportError:  # without vLLM the connector's logic still imports (and is unit-tested); vLLM never loads it
+    vllm = None
+    KVConnectorBase_V1 = KVConnectorHandshakeMetadata = KVConnectorMetadata = KVConnectorRole = object
+    KVConnectorPromMetrics = object
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]  # vLLM's base: a data dict the subclass manages
+        data: dict[str, Any] = field(default_factory=dict)
 
 SUPPORTED = ((0, 32), (0, 33))  # [first, last] minor lines
 
@@ -26,11 +37,11 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorHandshakeMetadata",
     "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
     "KVConnectorRole",
+    "KVConnectorStats",
     "attention_backend",
-    "block_table",
     "check_version",
-    "finished_normally",
     "force_recompute_on_load_failure",
     "model_name",
 ]
@@ -43,21 +54,6 @@ def check_version() -> str:
         log.warning("kvshuttle's vLLM connector supports vLLM %d.%d-%d.%d, this is %s: hooks may have moved",
                     *SUPPORTED[0], *SUPPORTED[1], version)
     return version
-
-
-def finished_normally(request: Any) -> bool:
-    """Stopped or length-capped (not aborted, not an error): only then does its KV mean anything later."""
-    from vllm.v1.request import RequestStatus
-
-    return request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-
-
-def block_table(blocks: Any) -> list[int]:
-    """The request's block ids (single KV-cache group: the connector does not declare SupportsHMA)."""
-    groups = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
-    if groups and isinstance(groups[0], (list, tuple)):
-        groups = groups[0]
-    return [int(b) for b in groups]
 
 
 def force_recompute_on_load_failure(vllm_config: Any) -> None:

@@ -27,9 +27,9 @@ from typing import Any
 from ...core.blocks import blocks_for_tokens
 from ...policy import Decision, KVHandle, block_digests, decide, parse_handle
 from ...policy.kv_handle import PREFIX
-from .compat import block_table, finished_normally
 from .config import ShuttleConfig
 from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata
+from .requests import block_table, finished_normally
 from .stats import ShuttleStats
 
 log = logging.getLogger("vllm.kvshuttle")  # under vLLM's logger: its handler shows INFO lines

@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
 from ...reuse import ReuseResult
+from .compat import KVConnectorPromMetrics, KVConnectorStats
 
 GAUGES = ("retained_blocks", "retained_bytes", "live_handles")  # the latest value wins, not the sum
 

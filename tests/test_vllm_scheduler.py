@@ -1,0 +1,154 @@
+"""The connector's scheduler side on its own: decisions, loads, handles, and what it counts.
+
+vLLM's request and block objects are stood in for by plain namespaces with the attributes the scheduler reads
+(``requests.py`` names them); ``tests/e2e`` runs the same code inside real vLLM engines."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from kvshuttle.integrations.vllm import ShuttleConfig
+from kvshuttle.integrations.vllm.metadata import ShuttleHandshake
+from kvshuttle.integrations.vllm.scheduler import CONSUMED, ShuttleScheduler
+from kvshuttle.policy import KVHandle, block_digests, parse_handle
+
+BS = 32
+
+
+def scheduler(**extra: Any) -> ShuttleScheduler:
+    s = ShuttleScheduler(ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, **extra}, model="m"), "eng", BS)
+    s.address = ShuttleHandshake("127.0.0.1", 5601)
+    return s
+
+
+def request(rid: str, prompt: list[int], params: dict[str, Any] | None, *, output: list[int] = (),  # type: ignore[assignment]
+            status: str = "FINISHED_STOPPED") -> SimpleNamespace:
+    tokens = list(prompt) + list(output)
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(prompt), all_token_ids=tokens,
+                           num_computed_tokens=max(len(tokens) - 1, 0), kv_transfer_params=params,
+                           status=SimpleNamespace(name=status))
+
+
+def decode_turn(s: ShuttleScheduler, tokens: list[int]) -> dict[str, Any]:
+    """A decode request that finished holding ``tokens`` (prompt + answer); returns its kv_transfer_params."""
+    req = request("d1", tokens[:-8], {"remote_engine_id": "p"}, output=tokens[-8:])
+    keep, params = s.request_finished(req, [list(range(100, 100 + -(-(len(tokens) - 1) // BS)))])
+    assert keep and params is not None
+    return params
+
+
+def words(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 30000, size=n)]
+
+
+def test_a_finished_decode_request_is_retained_with_a_verifiable_handle() -> None:
+    s = scheduler()
+    tokens = words(300)
+    params = decode_turn(s, tokens)
+    handle = parse_handle(params)
+    assert isinstance(handle, KVHandle)
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert handle.num_tokens == 299 and handle.block_ids == tuple(range(100, 110))
+    assert list(handle.digests) == block_digests(tokens[:299], BS, extra_key=b"m")
+    assert handle.expiry_time - time.time() > 470  # decoder_kv_blocks_ttl 480
+    meta = s.build_connector_meta()
+    (job,) = meta.retains
+    assert (job.handle_id, job.block_ids, job.use_once) == (handle.handle_id, handle.block_ids, False)
+    assert s.build_connector_meta().retains == []  # handed over once
+
+
+def test_prefill_requests_are_retained_use_once_for_their_decode() -> None:
+    s = scheduler(kv_lease_duration=7)
+    req = request("p1", words(100), {"do_remote_decode": True, "do_remote_prefill": False}, output=[5])
+    keep, params = s.request_finished(req, [[1, 2, 3, 4]])
+    assert keep and params is not None and params["do_remote_prefill"] is True
+    assert params["remote_num_tokens"] == 100 and params["kvshuttle_ttl_s"] == 7.0
+    assert s.build_connector_meta().retains[0].use_once
+
+
+def test_what_is_not_retained() -> None:
+    s = scheduler()
+    assert s.request_finished(request("a", words(50), None, output=[1]), [[1, 2]]) == (False, None)
+    aborted = request("b", words(50), {"remote_engine_id": "p"}, output=[1], status="FINISHED_ABORTED")
+    assert s.request_finished(aborted, [[1, 2]]) == (False, None)
+    off = ShuttleScheduler(ShuttleConfig.from_extra({}), "eng", BS)  # bidirectional off: decode keeps nothing
+    off.address = ShuttleHandshake("h", 1)
+    assert off.request_finished(request("c", words(50), {"remote_engine_id": "p"}, output=[1]), [[1, 2]]) == (
+        False, None)
+    s.address = None  # the worker never reported where it serves
+    assert s.request_finished(request("d", words(50), {"x": 1}, output=[1]), [[1, 2]]) == (False, None)
+
+
+def test_a_continuation_loads_everything_verified_once() -> None:
+    decode, prefill = scheduler(), scheduler()
+    history = words(300)
+    params = dict(decode_turn(decode, history), do_remote_decode=True, do_remote_prefill=False)
+    prompt = history + words(40, seed=1)
+    req = request("p2", prompt, params)
+    tokens, is_async = prefill.get_num_new_matched_tokens(req, 0)
+    assert (tokens, is_async) == (299, True)
+    assert prefill.get_num_new_matched_tokens(req, 0) == (299, True)  # pure: asking again changes nothing
+    prefill.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 1, 4, 8, 2, 6, 5, 0, 11],)),
+                                     299)
+    (load,) = prefill.build_connector_meta().loads
+    assert load.local_block_ids == (7, 3, 9, 1, 4, 8, 2, 6, 5, 0) and load.decision.fetch_tokens == 299
+    assert req.kv_transfer_params[CONSUMED] and prefill.get_num_new_matched_tokens(req, 0) == (0, False)
+    done = request("p2", prompt, params, output=[1])
+    _, out = prefill.request_finished(done, [[7, 3, 9, 1, 4, 8, 2, 6, 5, 0, 11]])
+    assert out is not None and out["kvshuttle_read_tokens"] == 299
+
+
+def test_an_edited_history_loads_only_the_verified_prefix() -> None:
+    decode, prefill = scheduler(), scheduler()
+    history = words(300)
+    params = dict(decode_turn(decode, history), do_remote_decode=True)
+    edited = list(history)
+    edited[100] += 1  # block 3
+    assert prefill.get_num_new_matched_tokens(request("p", [*edited, 1, 2], params), 0) == (96, True)
+
+
+def test_a_local_hit_comes_first_and_a_misaligned_one_recomputes() -> None:
+    decode, prefill = scheduler(), scheduler()
+    history = words(300)
+    params = dict(decode_turn(decode, history), do_remote_decode=True)
+    assert prefill.get_num_new_matched_tokens(request("p", [*history, 1], params), 64) == (299 - 64, True)
+    small = ShuttleScheduler(ShuttleConfig.from_extra({"bidirectional_kv_xfer": True}, model="m"), "e", 16)
+    assert small.get_num_new_matched_tokens(request("q", [*history, 1], params), 16) == (0, False)
+    assert small.counts["misaligned"] == 1
+
+
+def test_refusals_recompute_and_are_counted() -> None:
+    decode = scheduler(decoder_kv_blocks_ttl=3)  # inside the 5 s expiry margin already
+    history = words(300)
+    expiring = dict(decode_turn(decode, history), do_remote_decode=True)
+    prefill = scheduler()
+    prompt = [*history, 1]
+    assert prefill.get_num_new_matched_tokens(request("a", prompt, expiring), 0) == (0, False)
+    foreign = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "vllm"}
+    assert prefill.get_num_new_matched_tokens(request("b", prompt, foreign), 0) == (0, False)
+    off = ShuttleScheduler(ShuttleConfig.from_extra({}, model="m"), "e", BS)
+    assert off.get_num_new_matched_tokens(request("c", prompt, expiring), 0) == (0, False)
+    assert off.counts["bidir"] == 1
+    tampered = dict(expiring, kvshuttle_digests="zz")
+    assert prefill.get_num_new_matched_tokens(request("d", prompt, tampered), 0) == (0, False)
+    stats = prefill.take_stats().data
+    assert stats["decision.expired"] == 1 and stats["decision.foreign"] == 1
+    assert stats["decision.malformed_handle"] == 1
+    assert prefill.take_stats().data == {}  # counted once
+
+
+def test_a_failed_load_is_not_reported_as_read() -> None:
+    decode, prefill = scheduler(), scheduler()
+    history = words(300)
+    params = dict(decode_turn(decode, history), do_remote_decode=True)
+    req = request("p", [*history, 1, 2], params)
+    tokens, _ = prefill.get_num_new_matched_tokens(req, 0)
+    prefill.update_state_after_alloc(req, [list(range(20, 31))], tokens)
+    prefill.update_connector_output(set(), {25})  # the worker reported block 25 invalid
+    _, out = prefill.request_finished(request("p", [*history, 1, 2], params, output=[3]), [list(range(20, 31))])
+    assert out is not None and out["kvshuttle_read_tokens"] == 0
+    assert prefill.counts["load_failed"] == 1
