@@ -232,3 +232,21 @@ def test_misaligned_block_sizes_recompute_rather_than_guess(decode: WorkerProces
     finally:
         reader.close()
         worker.engine.close()
+
+
+def test_renew_keeps_a_retention_past_its_ttl_and_release_ends_it(decode: WorkerProcess,
+                                                                   prefill: tuple[PagedWorker, ReuseReader]) -> None:
+    worker, reader = prefill
+    rng = np.random.default_rng(9)
+    history = words(rng, 200)
+    params = turn(decode, "renew", history, ttl_s=6.0)  # would expire within the 5 s margin in a second
+    renewed = reader.renew(params, ttl_s=120.0)
+    assert renewed is not None and renewed["kvshuttle_handle_id"] == params["kvshuttle_handle_id"]
+    assert renewed["remote_blocks_expiry_time"] > params["remote_blocks_expiry_time"] + 100
+    prompt = history + words(rng, 10)
+    kept = reader.read(renewed, prompt, local_hit_tokens=0, local_block_ids=worker.allocate(len(prompt)))
+    assert kept.action == "fetched"
+    assert reader.release(renewed) and not reader.release(renewed)  # the second finds nothing to free
+    gone = reader.read(renewed, prompt, local_hit_tokens=0, local_block_ids=worker.allocate(len(prompt)))
+    assert (gone.reason, gone.owner_reason) == ("claim_refused", "HandleReleasedError")
+    assert reader.renew(renewed) is None and reader.renew({"not": "a handle"}) is None

@@ -155,6 +155,29 @@ class ReuseReader:
                                 f"where the local hit of {decision.local_tokens} tokens ends on a local block")
         return self.fetch(decision, handle, local_ids, num_tokens, started=started)
 
+    def renew(self, kv_transfer_params: Any, ttl_s: float | None = None) -> dict[str, Any] | None:
+        """Keep a decode's retention alive (a conversation still active); the refreshed params, or None when
+        it cannot be renewed (malformed, gone, decode unreachable): then the next turn will recompute."""
+        handle = parse_handle(kv_transfer_params)
+        if not isinstance(handle, KVHandle):
+            return None
+        try:
+            return self.engine.renew_retention(self._peer(handle), handle, ttl_s)
+        except TransferError as exc:
+            log.info("kvshuttle: retention %s... not renewed: %s", handle.handle_id[:8], exc)
+            return None
+
+    def release(self, kv_transfer_params: Any) -> bool:
+        """Let a decode free a conversation's blocks now; False when there was nothing (left) to free."""
+        handle = parse_handle(kv_transfer_params)
+        if not isinstance(handle, KVHandle):
+            return False
+        try:
+            return self.engine.release_retention(self._peer(handle), handle)
+        except TransferError as exc:
+            log.info("kvshuttle: retention %s... not released: %s", handle.handle_id[:8], exc)
+            return False
+
     def close(self) -> None:
         """Forget every connected decode (the engine itself stays open)."""
         for peer in self._peers.values():

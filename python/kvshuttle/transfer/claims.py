@@ -39,6 +39,10 @@ class ClaimAuthority(Protocol):
 
     def abort(self, claim_id: str) -> bool: ...
 
+    def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle: ...
+
+    def release(self, handle_id: str) -> bool: ...
+
 
 class ClaimRefusedError(TransferError):
     """The owner refused the claim (expired, evicted, stale, consumed, tampered...) or lost it: recompute.
@@ -80,6 +84,12 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any]) -> di
                                       message["digests"], reader=str(message.get("reader", "")))
             return {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
                     "num_tokens": granted.num_tokens}
+        if message["op"] == "renew":  # whoever holds the unguessable handle id may keep it alive...
+            ttl = message.get("ttl_s")
+            renewed = authority.renew(str(message["handle_id"]), None if ttl is None else float(ttl))
+            return {"op": "renewed", "kv_transfer_params": renewed.to_kv_transfer_params()}
+        if message["op"] == "release":  # ...or let it go early
+            return {"op": "released", "released": bool(authority.release(str(message["handle_id"])))}
         claim_id = str(message["claim_id"])
         if message.get("ok"):
             authority.complete(claim_id)

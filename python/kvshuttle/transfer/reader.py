@@ -23,7 +23,7 @@ from ..core.plan import ReadPlan, plan_read
 from ..errors import BlockIdError, StagingError
 from ..policy.kv_handle import KVHandle
 from ._nixl import MemType, NixlCallError
-from .claims import ClaimTicket, check_done_reply, claim_request, ticket_from_reply
+from .claims import ClaimRefusedError, ClaimTicket, check_done_reply, claim_request, ticket_from_reply
 from .config import PATHS, Path
 from .direct import DirectRequest, DirectTransfer, all_pieces, build_initialize, build_prepped
 from .endpoint import Endpoint
@@ -150,6 +150,33 @@ class ReaderRole(Endpoint):
                               "a claim report")
         if ok:
             check_done_reply(reply, peer.address)
+
+    def renew_retention(self, peer: Peer, handle: KVHandle, ttl_s: float | None = None,
+                        timeout: float | None = None) -> dict[str, Any]:
+        """Keep the owner's retention of ``handle`` alive for another ``ttl_s`` (default: its ledger's TTL;
+        never shortened); returns the refreshed ``kv_transfer_params``. ClaimRefusedError if it is gone."""
+        self._check_open()
+        self._live_peer(peer, ())
+        if not isinstance(handle, KVHandle):
+            raise TransferArgumentError(f"renew_retention() needs a KVHandle, got {type(handle).__name__}")
+        ttl = None if ttl_s is None else _timeout_arg(ttl_s, 0.0, "ttl_s")
+        reply = self._request(peer, {"op": "renew", "handle_id": handle.handle_id, "ttl_s": ttl},
+                              _timeout_arg(timeout, self.config.connect_timeout_s), "a renewal")
+        if reply.get("op") != "renewed" or not isinstance(reply.get("kv_transfer_params"), dict):
+            raise ClaimRefusedError(f"owner at {peer.address} did not renew: {reply.get('message')}",
+                                    str(reply.get("reason", "Unknown")))
+        params: dict[str, Any] = reply["kv_transfer_params"]
+        return params
+
+    def release_retention(self, peer: Peer, handle: KVHandle, timeout: float | None = None) -> bool:
+        """Let the owner free ``handle``'s blocks now (a conversation ended); False if it was already gone."""
+        self._check_open()
+        self._live_peer(peer, ())
+        if not isinstance(handle, KVHandle):
+            raise TransferArgumentError(f"release_retention() needs a KVHandle, got {type(handle).__name__}")
+        reply = self._request(peer, {"op": "release", "handle_id": handle.handle_id},
+                              _timeout_arg(timeout, self.config.connect_timeout_s), "a release")
+        return reply.get("op") == "released" and bool(reply.get("released"))
 
     def disconnect(self, peer: Peer) -> None:
         """Forget ``peer`` (its NIXL state and connections). Idempotent."""
