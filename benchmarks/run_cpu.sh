@@ -2,6 +2,7 @@
 # Regenerate every CPU benchmark JSON in benchmarks/results/ (the vm2_* files: the 2-core VM), one command each.
 # Usage: bash benchmarks/run_cpu.sh [outdir]   (default: benchmarks/results; about 6-10 minutes on 2 vCPUs)
 # The GPU files (h200*) come from benchmarks/gpu_check.sh on a GPU machine.
+# vm2_e2e.json needs the vLLM environment: see "End to end in vLLM" in benchmarks/README.md for its command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}

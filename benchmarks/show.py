@@ -15,7 +15,9 @@ from typing import Any
 
 def table(result: dict[str, Any]) -> str:
     """The bench's own ``format_table`` of one result (the schema envelope)."""
-    module = importlib.import_module(f"kvshuttle.bench.{result['bench']}")
+    from kvshuttle.cli import BENCHES  # the module of each bench name (``e2e`` lives in kvshuttle.bench.e2e.bench)
+
+    module = importlib.import_module(BENCHES.get(result["bench"], f"kvshuttle.bench.{result['bench']}"))
     text: str = module.format_table(result)
     return text
 

@@ -1,4 +1,4 @@
-"""The ``kvshuttle`` command: ``demo``, ``info``, ``bench pack|plan|transfer|policy|retention``."""
+"""The ``kvshuttle`` command: ``demo``, ``info``, ``bench pack|plan|transfer|policy|retention|e2e``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ BENCHES = {
     "transfer": "kvshuttle.bench.transfer",
     "policy": "kvshuttle.bench.policy",
     "retention": "kvshuttle.bench.retention",
+    "e2e": "kvshuttle.bench.e2e.bench",
 }
 
 

@@ -84,11 +84,11 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any]) -> di
                                       message["digests"], reader=str(message.get("reader", "")))
             return {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
                     "num_tokens": granted.num_tokens}
-        if message["op"] == "renew":  # whoever holds the unguessable handle id may keep it alive...
+        if message["op"] == "renew_retention":  # whoever holds the unguessable handle id may keep it alive...
             ttl = message.get("ttl_s")
             renewed = authority.renew(str(message["handle_id"]), None if ttl is None else float(ttl))
             return {"op": "renewed", "kv_transfer_params": renewed.to_kv_transfer_params()}
-        if message["op"] == "release":  # ...or let it go early
+        if message["op"] == "release_retention":  # ...or let it go early
             return {"op": "released", "released": bool(authority.release(str(message["handle_id"])))}
         claim_id = str(message["claim_id"])
         if message.get("ok"):

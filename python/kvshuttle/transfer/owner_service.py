@@ -167,7 +167,7 @@ class OwnerService:
             return {"op": "pong", "jobs": self.active_jobs}
         if op == "pack":
             return self._pack(identity, message)
-        if op in ("claim", "claim_done", "renew", "release"):
+        if op in ("claim", "claim_done", "renew_retention", "release_retention"):  # "release" frees a chunk
             return serve_claim(self.claims, message)
         if op in ("release", "abort"):
             with self._lock:

