@@ -22,7 +22,7 @@ from ...core.layout import PagedKVCache
 from ...errors import KVShuttleError
 from ...policy import KVHandle, parse_handle
 from ...retention import BudgetExceededError, RetentionLedger
-from ...reuse import ReuseReader, ReuseResult
+from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, TransferEngine
 from .config import ConnectorConfigError, ShuttleConfig
 from .metadata import LoadJob, ShuttleHandshake, ShuttleMetadata
@@ -138,9 +138,16 @@ class ShuttleWorker:
     def _load(self, job: LoadJob) -> ReuseResult:
         assert self.reader is not None
         handle = parse_handle(job.params)
-        assert isinstance(handle, KVHandle)  # the scheduler decided on this very handle
-        result = self.reader.fetch(job.decision, handle, job.local_block_ids, job.num_tokens,
-                                   unknown_grace_s=UNKNOWN_HANDLE_GRACE_S)
+        try:
+            if not isinstance(handle, KVHandle):  # cannot happen: the scheduler decided on this very handle
+                raise KVShuttleError(f"the load's params hold no handle: {handle.message}")
+            result = self.reader.fetch(job.decision, handle, job.local_block_ids, job.num_tokens,
+                                       unknown_grace_s=UNKNOWN_HANDLE_GRACE_S)
+        except Exception as exc:  # a bug must cost a recompute, never the engine (get_finished re-raises)
+            log.exception("kvshuttle: load of request %s failed", job.request_id)
+            result = ReuseResult("recompute", Failure.TRANSFER_FAILED.value, f"recompute, because {exc}",
+                                 job.num_tokens, job.decision.local_tokens, 0, tuple(job.local_block_ids),
+                                 job.decision)
         if result.action == "fetched":
             telemetry = result.telemetry
             log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %s path) in %.1f ms", job.request_id,
