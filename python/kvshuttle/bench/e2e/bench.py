@@ -35,14 +35,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..schema import envelope
-from .conversation import ConversationPlan, Turn, prefill_params_for
+from .conversation import ConversationPlan, Turn, run_pd_conversation
 from .engines import EngineSpec, VllmEngine, free_port, nixl_transfer_config, start_all
-from .tiny_model import SPECIAL_TOKENS
 
 CONFIGS = ("recompute", "nixl", "kvshuttle")
 CASES = ("main", "edited", "short", "expired")
@@ -110,39 +108,6 @@ def _drain_and_reset(decode: VllmEngine, ttl: float) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ conversations
-def _edit(token: int, vocab: int) -> int:
-    """Another non-special token id."""
-    first = len(SPECIAL_TOKENS)
-    return first + (token - first + 1) % (vocab - first)
-
-
-def _drive(prefill: VllmEngine, decode: VllmEngine, plan: ConversationPlan, *, reuse: bool = True,
-           edit_at: int | None = None, before_turn2: Callable[[list[Turn]], None] | None = None) -> list[Turn]:
-    """``run_pd_conversation`` with an optional one-token edit of the turn-2 prompt and a hook before turn 2."""
-    turns: list[Turn] = []
-    prompt: list[int] = []
-    handle: dict[str, Any] | None = None
-    for k in range(1, plan.turns + 1):
-        if turns:
-            prompt = prompt + turns[-1].answer
-        prompt = prompt + plan.user_tokens(k)
-        if k == 2:
-            if edit_at is not None:
-                prompt[edit_at] = _edit(prompt[edit_at], plan.vocab)
-            if before_turn2 is not None:
-                before_turn2(turns)
-        p_params = prefill_params_for(handle if reuse else None)
-        p_out = prefill.generate(prompt, 1, p_params)
-        d_params = p_out.get("kv_transfer_params")
-        if not d_params:
-            raise RuntimeError(f"turn {k}: prefill returned no kv_transfer_params "
-                               f"(finish_reason {p_out.get('finish_reason')})")
-        d_out = decode.generate(prompt, plan.answer_tokens, d_params)
-        turns.append(Turn(k, list(prompt), p_params, p_out, d_out))
-        handle = d_out.get("kv_transfer_params")
-    return turns
-
-
 def _reference(prefill: VllmEngine, prompt: list[int], n: int, refs: Refs) -> dict[str, Any]:
     key = (tuple(prompt), n)
     if key not in refs:
@@ -200,7 +165,7 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
     for rep in range(args.reps if "main" in cases else 0):
         for n in lengths:
             plan = ConversationPlan(first_tokens=n, seed=rep, **base)
-            turns = _drive(prefill, decode, plan, reuse=config != "recompute")
+            turns = run_pd_conversation(prefill, decode, plan, reuse_decode_params=config != "recompute")
             _attach_refs(prefill, turns, refs)
             out.add(config, "main", n, turns)
             _log(f"{config} main {n} rep {rep}: " + ", ".join(
@@ -211,7 +176,7 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
         for rep in range(args.reps):
             for n in lengths:
                 plan = ConversationPlan(first_tokens=n, seed=100 + rep, **{**base, "turns": 2})
-                turns = _drive(prefill, decode, plan, edit_at=args.edit_position)
+                turns = run_pd_conversation(prefill, decode, plan, edit_at=args.edit_position)
                 _attach_refs(prefill, turns, refs)
                 out.add(config, "edited", n, turns, only=(2,))
                 s = _sample(turns[1])
@@ -219,7 +184,7 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
     if "short" in cases:
         for rep in range(args.reps):
             plan = ConversationPlan(seed=200 + rep, **{**base, **SHORT})
-            turns = _drive(prefill, decode, plan)
+            turns = run_pd_conversation(prefill, decode, plan)
             _attach_refs(prefill, turns, refs)
             out.add(config, "short", SHORT["first_tokens"], turns)
     if "expired" in cases:  # last: the engine may not survive it
@@ -244,7 +209,7 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
 
     t0 = time.perf_counter()
     try:
-        turns = _drive(prefill, decode, plan, before_turn2=pause)
+        turns = run_pd_conversation(prefill, decode, plan, before_turn2=pause)
     except Exception as exc:  # recorded: what happens to an expired handle is the point of this case
         out.error(config, "expired", n, 2, exc, time.perf_counter() - t0)
         _log(f"{config} expired: {exc}")

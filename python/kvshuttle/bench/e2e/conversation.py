@@ -19,10 +19,11 @@ on one engine without transfers: the reference the disaggregated answers must eq
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .tiny_model import random_prompt
+from .tiny_model import SPECIAL_TOKENS, random_prompt
 
 #: What the proxy sends prefill when it holds nothing for the conversation (vLLM's toy and multi-turn proxies).
 FIRST_TURN_PARAMS: dict[str, Any] = {
@@ -97,12 +98,20 @@ def prefill_params_for(previous_decode_params: dict[str, Any] | None) -> dict[st
     return params
 
 
+def edited_token(token: int, vocab: int) -> int:
+    """Another non-special token id (an edit of the history)."""
+    first = len(SPECIAL_TOKENS)
+    return first + (token - first + 1) % (vocab - first)
+
+
 def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan, *,
-                        reuse_decode_params: bool = True) -> list[Turn]:
+                        reuse_decode_params: bool = True, edit_at: int | None = None,
+                        before_turn2: Callable[[list[Turn]], None] | None = None) -> list[Turn]:
     """Run ``plan.turns`` turns through prefill then decode; returns every turn's results.
 
     ``reuse_decode_params=False`` sends every turn as a first turn (prefill recomputes the whole prompt):
-    the same traffic without the reverse read, for a side-by-side TTFT.
+    the same traffic without the reverse read, for a side-by-side TTFT. ``edit_at`` changes that token of the
+    history in turn 2's prompt (an edited conversation); ``before_turn2`` runs just before turn 2 (a pause).
     """
     turns: list[Turn] = []
     prompt: list[int] = []
@@ -111,11 +120,17 @@ def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan,
         if turns:
             prompt = prompt + turns[-1].answer
         prompt = prompt + plan.user_tokens(k)
+        if k == 2:
+            if edit_at is not None:
+                prompt[edit_at] = edited_token(prompt[edit_at], plan.vocab)
+            if before_turn2 is not None:
+                before_turn2(turns)
         p_params = prefill_params_for(handle if reuse_decode_params else None)
         p_out = prefill.generate(prompt, 1, copy.deepcopy(p_params))
         d_params = p_out.get("kv_transfer_params")
         if not d_params:
-            raise RuntimeError(f"turn {k}: prefill returned no kv_transfer_params: {p_out}")
+            raise RuntimeError(f"turn {k}: prefill returned no kv_transfer_params "
+                               f"(finish_reason {p_out.get('finish_reason')})")
         d_out = decode.generate(prompt, plan.answer_tokens, copy.deepcopy(d_params))
         turn = Turn(k, list(prompt), p_params, p_out, d_out)
         if p_out["token_ids"][:1] != d_out["token_ids"][:1]:
