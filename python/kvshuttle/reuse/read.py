@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..core.blocks import blocks_for_tokens
-from ..errors import KVShuttleError
+from ..errors import KVShuttleError, shown
 from ..policy import Decision, KVHandle, PolicyConfig, PromptDigests, decide, decide_from_params, parse_handle
 from ..policy.digests import TokenIds
 from ..transfer import (
@@ -120,9 +120,9 @@ class ReuseReader:
     def __init__(self, engine: TransferEngine, policy: PolicyConfig | None = None, *, timeout_s: float = 10.0,
                  path: Path = "auto", clock: Callable[[], float] = time.time) -> None:
         if not isinstance(path, str) or path not in PATHS:
-            raise ReuseArgumentError(f"path must be one of {PATHS}, not {path!r}")
+            raise ReuseArgumentError(f"path must be one of {PATHS}, not {shown(path)}")
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ReuseArgumentError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+            raise ReuseArgumentError(f"timeout_s must be a positive number of seconds, got {shown(timeout_s)}")
         self.engine = engine
         self.policy = policy or PolicyConfig()
         self.timeout_s = float(timeout_s)

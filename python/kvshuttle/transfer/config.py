@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from ..errors import shown
 from .errors import TransferArgumentError
 
 Path = Literal["auto", "direct", "packed"]
@@ -64,14 +65,15 @@ class EngineConfig:
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
                 want = "an integer >= 0"
             if not ok:
-                raise TransferArgumentError(f"EngineConfig.{f.name} must be {want}, got {value!r}")
+                raise TransferArgumentError(f"EngineConfig.{f.name} must be {want}, got {shown(value)}")
         if not (isinstance(self.port, int) and self.port < 65536):
-            raise TransferArgumentError(f"EngineConfig.port must be in 0..65535 (0: a free port), got {self.port!r}")
+            raise TransferArgumentError(f"EngineConfig.port must be in 0..65535 (0: a free port), got "
+                                        f"{shown(self.port)}")
         if self.staging_chunk_bytes <= 0:
             raise TransferArgumentError("EngineConfig.staging_chunk_bytes must be > 0")
         if self.direct_mode not in ("initialize", "prepped"):
             raise TransferArgumentError(f"EngineConfig.direct_mode must be 'initialize' or 'prepped', got "
-                                        f"{self.direct_mode!r}")
+                                        f"{shown(self.direct_mode)}")
         if not (isinstance(self.backends, tuple) and self.backends and all(isinstance(b, str) for b in self.backends)):
             raise TransferArgumentError(f"EngineConfig.backends must be a non-empty tuple of names, got "
-                                        f"{self.backends!r}")
+                                        f"{shown(self.backends)}")

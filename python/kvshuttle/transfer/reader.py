@@ -20,7 +20,7 @@ import numpy.typing as npt
 from ..core.blocks import blocks_hold_tokens, check_ids
 from ..core.layout import StagingLayout
 from ..core.plan import ReadPlan, plan_read
-from ..errors import BlockIdError, StagingError
+from ..errors import BlockIdError, StagingError, shown
 from ..policy.kv_handle import KVHandle
 from ._nixl import MemType, NixlCallError
 from .claims import ClaimRefusedError, ClaimTicket, check_done_reply, claim_request, ticket_from_reply
@@ -55,7 +55,7 @@ def _loose_ids(ids: Any) -> tuple[int, ...]:
 
 def _int_arg(name: str, value: Any, minimum: int, lids: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise TransferArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}", _loose_ids(lids))
+        raise TransferArgumentError(f"{name} must be an integer >= {minimum}, got {shown(value)}", _loose_ids(lids))
     return int(value)
 
 
@@ -63,7 +63,7 @@ def _timeout_arg(value: Any, default: float, what: str = "timeout") -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise TransferArgumentError(f"{what} must be a positive number of seconds, got {value!r}")
+        raise TransferArgumentError(f"{what} must be a positive number of seconds, got {shown(value)}")
     return float(value)
 
 
@@ -200,7 +200,7 @@ class ReaderRole(Endpoint):
         self._check_open()
         self._live_peer(peer, local_ids)
         if not isinstance(path, str) or path not in PATHS:
-            raise TransferArgumentError(f"path must be one of {PATHS}, not {path!r}", _loose_ids(local_ids))
+            raise TransferArgumentError(f"path must be one of {PATHS}, not {shown(path)}", _loose_ids(local_ids))
         if not isinstance(notify, bytes):
             raise TransferArgumentError(f"notify must be bytes, got {type(notify).__name__}", _loose_ids(local_ids))
         wait = _timeout_arg(timeout, self.config.transfer_timeout_s)

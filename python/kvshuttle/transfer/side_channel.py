@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ..errors import shown
 from .errors import PeerLostError, PeerUnreachableError, ProtocolError, TransferArgumentError
 from .wire import decode, encode
 
@@ -130,11 +131,11 @@ class Emitter:
 def parse_address(address: object) -> tuple[str, int]:
     """``tcp://host:port`` -> (host, port); TransferArgumentError for anything else."""
     if not isinstance(address, str) or not address.startswith("tcp://"):
-        raise TransferArgumentError(f"a side-channel address is 'tcp://host:port', got {address!r}")
+        raise TransferArgumentError(f"a side-channel address is 'tcp://host:port', got {shown(address)}")
     host, sep, port = address[len("tcp://"):].rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise TransferArgumentError(f"a side-channel address is 'tcp://host:port' with a port in 1..65535, "
-                                    f"got {address!r}")
+                                    f"got {shown(address)}")
     return host, int(port)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import KVShuttleError
+from ...errors import KVShuttleError, shown
 from ...policy import PolicyConfig
 from ...retention.ledger import MODES, Mode
 from ...transfer.config import PATHS, Path
@@ -91,7 +91,7 @@ def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
     if not isinstance(value, bool):
-        raise ConnectorConfigError(f"{key} must be true or false, got {value!r}")
+        raise ConnectorConfigError(f"{key} must be true or false, got {shown(value)}")
     return value
 
 
@@ -100,7 +100,7 @@ def _int(extra: Mapping[str, Any], key: str, default: int, *, minimum: int) -> i
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConnectorConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+        raise ConnectorConfigError(f"{key} must be an integer >= {minimum}, got {shown(value)}")
     return value
 
 
@@ -111,19 +111,20 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if isinstance(value, bool) or not (math.isfinite(seconds) and seconds > 0):
-        raise ConnectorConfigError(f"{key} must be a positive number of seconds, got {value!r}")
+        raise ConnectorConfigError(f"{key} must be a positive number of seconds, got {shown(value)}")
     return seconds
 
 
 def _choice(extra: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...]) -> Any:
     value = extra.get(key, default)
     if not (isinstance(value, str) and value in choices):
-        raise ConnectorConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+        raise ConnectorConfigError(f"{key} must be one of {list(choices)}, got {shown(value)}")
     return value
 
 
 def _backends(value: Any) -> tuple[str, ...]:
     names = [value] if isinstance(value, str) else value
     if not (isinstance(names, (list, tuple)) and names and all(isinstance(n, str) and n for n in names)):
-        raise ConnectorConfigError(f"backends must be a list of NIXL plugin names such as ['UCX'], got {value!r}")
+        raise ConnectorConfigError(f"backends must be a list of NIXL plugin names such as ['UCX'], got "
+                                   f"{shown(value)}")
     return tuple(names)
