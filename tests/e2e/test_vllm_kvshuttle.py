@@ -88,3 +88,33 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
     assert edited_prefill["kv_transfer_params"]["kvshuttle_read_tokens"] == 96
     assert edited_prefill["num_cached_tokens"] == 96
     assert edited_decode["token_ids"] == edited_local["token_ids"]
+
+
+def test_bidirectional_only_on_decode_recomputes_instead_of_hanging(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    """vLLM's own connector hangs a prefill that has the flag off while its decode has it on; kvshuttle's prefill
+    logs why and recomputes, and every answer still matches."""
+    from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
+    from kvshuttle.bench.e2e.engines import EngineSpec, VllmEngine, start_all
+
+    common = dict(model=model_dir, warmup_tokens=64, startup_timeout_s=420.0, request_timeout_s=60.0)
+    off = shuttle_config()
+    off["kv_connector_extra_config"]["bidirectional_kv_xfer"] = False
+    prefill = VllmEngine(EngineSpec(name="prefill", kv_transfer_config=off, enable_prefix_caching=False,
+                                    cpu_cores=(0,), log_path=str(tmp_path / "prefill.log"), **common), start=False)
+    decode = VllmEngine(EngineSpec(name="decode", kv_transfer_config=shuttle_config(), enable_prefix_caching=True,
+                                   cpu_cores=(1 % (os.cpu_count() or 1),), log_path=str(tmp_path / "decode.log"),
+                                   **common), start=False)
+    plan = ConversationPlan(turns=2, first_tokens=256, next_tokens=64, answer_tokens=8)
+    try:
+        start_all(prefill, decode)
+        turns = run_pd_conversation(prefill, decode, plan)
+        run_local_conversation(prefill, turns)
+    finally:
+        prefill.close()
+        decode.close()
+    second = turns[1]
+    assert second.prefill["num_cached_tokens"] == 0
+    assert second.prefill["kv_transfer_params"]["kvshuttle_read_tokens"] == 0
+    assert second.prefill["ttft_s"] < 30  # no wait for KV that will never come
+    assert all(t.answer == t.reference["token_ids"] for t in turns if t.reference is not None)
+    assert "bidirectional_kv_xfer is off here" in (tmp_path / "prefill.log").read_text()
