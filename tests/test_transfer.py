@@ -16,15 +16,12 @@ pytest.importorskip("nixl._api")
 pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
-from conftest import POISON, Geo, make_cache
+from conftest import POISON, Geo
 from kvshuttle.transfer import (
-    EngineConfig,
     IncompatiblePeerError,
-    Peer,
-    TransferEngine,
     TransferState,
 )
-from transfer_helpers import OwnerProcess, OwnerSpec, block_bytes, build_cache, token_bytes
+from transfer_helpers import LocalReader, OwnerProcess, OwnerSpec, ReaderPool, block_bytes, build_cache, token_bytes
 
 BASE = Geo(kind="flash_attn", order="NHD", dtype="float16", num_layers=2, num_blocks=32, block_size=16,
            num_heads=4, head_size=32)  # 4 KiB pieces
@@ -54,41 +51,14 @@ def owner() -> Iterator[OwnerProcess]:
         yield proc
 
 
-class Reader:
-    """A reader engine with its own cache of ``geo``, connected lazily to owner caches by name."""
-
-    def __init__(self, geo: Geo, owner: OwnerProcess, **config: Any) -> None:
-        self.cache = make_cache(np.random.default_rng(7), geo)
-        self.engine = TransferEngine(self.cache.cache(), EngineConfig(**{**CONFIG, **config}))
-        self.owner = owner
-        self.peers: dict[str, Peer] = {}
-
-    def peer(self, name: str) -> Peer:
-        if name not in self.peers:
-            self.peers[name] = self.engine.connect(self.owner.addresses[NAMES.index(name)])
-        return self.peers[name]
-
-    def poison(self) -> None:
-        for raw in self.cache.raws:
-            raw[:] = POISON
-
-
 @pytest.fixture(scope="module")
-def readers(owner: OwnerProcess) -> Iterator[dict[Any, Reader]]:
-    made: dict[Any, Reader] = {}
-    yield made
-    for reader in made.values():
-        reader.engine.close()
+def readers(owner: OwnerProcess) -> Iterator[ReaderPool]:
+    pool = ReaderPool(owner, CONFIG, NAMES)
+    yield pool
+    pool.close()
 
 
-def reader_for(readers: dict[Any, Reader], owner: OwnerProcess, geo: Geo, **config: Any) -> Reader:
-    key = (geo, tuple(sorted(config.items())))
-    if key not in readers:
-        readers[key] = Reader(geo, owner, **config)
-    return readers[key]
-
-
-def check_read(reader: Reader, source_name: str, lids: Any, rids: Any, num_tokens: int, *,
+def check_read(reader: LocalReader, source_name: str, lids: Any, rids: Any, num_tokens: int, *,
                local_head_offset: int = 0, remote_head_offset: int = 0, heads: int | None = None) -> None:
     """The read tokens equal the owner's; every other byte of the local cache is untouched."""
     source = build_cache(LAYOUTS[source_name], seed_of(source_name))
@@ -98,15 +68,15 @@ def check_read(reader: Reader, source_name: str, lids: Any, rids: Any, num_token
     assert np.array_equal(got, want), "read tokens differ from the owner's bytes"
 
 
-def untouched(reader: Reader, lids: Any) -> None:
+def untouched(reader: LocalReader, lids: Any) -> None:
     others = np.setdiff1d(np.arange(reader.cache.geo.num_blocks), lids)
     assert (block_bytes(reader.cache, others) == POISON).all(), "a block outside the read was written"
 
 
 # ----------------------------------------------------------------------------------------------- handshake
 def test_handshake_exchanges_geometry_and_reports_port(owner: OwnerProcess,
-                                                       readers: dict[Any, Reader]) -> None:
-    reader = reader_for(readers, owner, BASE)
+                                                       readers: ReaderPool) -> None:
+    reader = readers.get(BASE)
     for address in owner.addresses:
         host, port = address.removeprefix("tcp://").split(":")
         assert host == "127.0.0.1" and int(port) > 0
@@ -123,10 +93,10 @@ def test_handshake_exchanges_geometry_and_reports_port(owner: OwnerProcess,
 # ---------------------------------------------------------------------------------------------- direct
 @pytest.mark.parametrize("name", ["fa_nhd", "fa_hnd", "fi_nhd", "fi_hnd", "mla"])
 @pytest.mark.parametrize("mode", ["initialize", "prepped"])
-def test_direct_read_is_byte_exact(owner: OwnerProcess, readers: dict[Any, Reader], name: str,
+def test_direct_read_is_byte_exact(owner: OwnerProcess, readers: ReaderPool, name: str,
                                    mode: str) -> None:
     geo = LAYOUTS[name]
-    reader = reader_for(readers, owner, geo, direct_mode=mode)
+    reader = readers.get(geo, direct_mode=mode)
     rng = np.random.default_rng(seed_of(name))
     lids, rids = rng.permutation(geo.num_blocks)[:12], rng.permutation(geo.num_blocks)[:12]
     reader.poison()
@@ -140,8 +110,8 @@ def test_direct_read_is_byte_exact(owner: OwnerProcess, readers: dict[Any, Reade
     assert tel.transfer_time_s >= tel.post_time_s >= 0 and tel.bytes_per_descriptor > 0
 
 
-def test_direct_read_coalesces_contiguous_runs(owner: OwnerProcess, readers: dict[Any, Reader]) -> None:
-    reader = reader_for(readers, owner, BASE)
+def test_direct_read_coalesces_contiguous_runs(owner: OwnerProcess, readers: ReaderPool) -> None:
+    reader = readers.get(BASE)
     lids, rids = np.arange(4, 20), np.arange(10, 26)
     reader.poison()
     tel = reader.engine.read(reader.peer("fa_nhd"), lids, rids, path="direct").wait(10)
@@ -151,8 +121,8 @@ def test_direct_read_coalesces_contiguous_runs(owner: OwnerProcess, readers: dic
     assert tel.bytes_per_descriptor >= 16 * BASE.piece_bytes
 
 
-def test_partial_last_block_and_empty_read(owner: OwnerProcess, readers: dict[Any, Reader]) -> None:
-    reader = reader_for(readers, owner, BASE)
+def test_partial_last_block_and_empty_read(owner: OwnerProcess, readers: ReaderPool) -> None:
+    reader = readers.get(BASE)
     reader.poison()
     lids, rids = [3, 9, 1], [0, 31, 5]
     reader.engine.read(reader.peer("fa_nhd"), lids, rids, num_tokens=40, path="direct").wait(10)
@@ -163,9 +133,9 @@ def test_partial_last_block_and_empty_read(owner: OwnerProcess, readers: dict[An
 
 # ---------------------------------------------------------------------------------------------- packed
 @pytest.mark.parametrize("name", ["fa_nhd", "fa_hnd", "fi_nhd", "fi_hnd", "mla"])
-def test_packed_read_is_byte_exact(owner: OwnerProcess, readers: dict[Any, Reader], name: str) -> None:
+def test_packed_read_is_byte_exact(owner: OwnerProcess, readers: ReaderPool, name: str) -> None:
     geo = LAYOUTS[name]
-    reader = reader_for(readers, owner, geo)
+    reader = readers.get(geo)
     rng = np.random.default_rng(seed_of(name) + 1)
     lids, rids = rng.permutation(geo.num_blocks)[:13], rng.permutation(geo.num_blocks)[:13]
     tokens = 12 * geo.block_size + 5  # the last block is partial
@@ -191,11 +161,11 @@ MIXED = [
 
 
 @pytest.mark.parametrize("case", range(len(MIXED)))
-def test_packed_read_between_different_layouts(owner: OwnerProcess, readers: dict[Any, Reader],
+def test_packed_read_between_different_layouts(owner: OwnerProcess, readers: ReaderPool,
                                                case: int) -> None:
     name, geo, local_off, remote_off, heads = MIXED[case]
     source = LAYOUTS[name]
-    reader = reader_for(readers, owner, geo)
+    reader = readers.get(geo)
     rng = np.random.default_rng(case)
     tokens = 200
     lids = rng.permutation(geo.num_blocks)[: -(-tokens // geo.block_size)]
@@ -211,15 +181,15 @@ def test_packed_read_between_different_layouts(owner: OwnerProcess, readers: dic
 
 # --------------------------------------------------------------------------------------- path choice
 def test_auto_path_follows_descriptor_size_and_layouts(owner: OwnerProcess,
-                                                       readers: dict[Any, Reader]) -> None:
-    reader = reader_for(readers, owner, BASE)
+                                                       readers: ReaderPool) -> None:
+    reader = readers.get(BASE)
     peer = reader.peer("fa_nhd")
     scattered = reader.engine.read(peer, [5, 1, 9, 3], [8, 2, 30, 17])
     assert scattered.path == "packed" and "< threshold" in scattered.wait(10).reason
     contiguous = reader.engine.read(peer, np.arange(16), np.arange(16, 32))
     assert contiguous.path == "direct" and "coalesce" in contiguous.wait(10).reason
     big_geo = LAYOUTS["fa_nhd_big"]
-    big = reader_for(readers, owner, big_geo)
+    big = readers.get(big_geo)
     handle = big.engine.read(big.peer("fa_nhd_big"), [2, 0], [5, 7])
     assert handle.path == "direct" and ">= threshold" in handle.wait(10).reason
     differing = reader.engine.read(reader.peer("fa_hnd"), [0, 1], [0, 1])
@@ -229,8 +199,8 @@ def test_auto_path_follows_descriptor_size_and_layouts(owner: OwnerProcess,
     assert info.value.invalid_block_ids == (0, 1)
 
 
-def test_owner_receives_completion_notifications(owner: OwnerProcess, readers: dict[Any, Reader]) -> None:
-    reader = reader_for(readers, owner, BASE)
+def test_owner_receives_completion_notifications(owner: OwnerProcess, readers: ReaderPool) -> None:
+    reader = readers.get(BASE)
     owner.call("notifs")  # drain what earlier tests left
     direct = reader.engine.read(reader.peer("fa_nhd"), [1, 2], [3, 4], path="direct", notify=b"req-1")
     packed = reader.engine.read(reader.peer("fa_nhd"), [5, 6], [7, 8], path="packed", notify=b"req-2")
@@ -242,8 +212,9 @@ def test_owner_receives_completion_notifications(owner: OwnerProcess, readers: d
     assert {agent for agent, _, _ in got} == {reader.engine.name}
 
 
-def test_no_handles_or_staging_left_after_reads(owner: OwnerProcess, readers: dict[Any, Reader]) -> None:
-    for reader in readers.values():
+def test_no_handles_or_staging_left_after_reads(owner: OwnerProcess, readers: ReaderPool) -> None:
+    assert list(readers), "the module's reads ran first"
+    for reader in readers:
         stats = reader.engine.stats()
         assert stats["xfer_handles"] == stats["stuck_xfer_handles"] == stats["active_transfers"] == 0
         assert stats["staging_free"] == stats["staging_chunks"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ pytest.importorskip("msgpack")
 from conftest import Geo
 from kvshuttle import LayoutError
 from kvshuttle.transfer import IncompatiblePeerError, TransferState
-from transfer_helpers import LocalReader, OwnerProcess, OwnerSpec, build_cache
+from transfer_helpers import OwnerProcess, OwnerSpec, ReaderPool, build_cache
 
 CPU = Geo("vllm_cpu_attn", dtype="float32", num_layers=2, num_blocks=12, block_size=32, num_heads=8, head_size=64,
           layout="LBHNC")  # 128 KiB pages
@@ -49,18 +48,10 @@ def owner() -> Iterator[OwnerProcess]:
 
 
 @pytest.fixture(scope="module")
-def readers(owner: OwnerProcess) -> Iterator[dict[Any, LocalReader]]:
-    made: dict[Any, LocalReader] = {}
-    yield made
-    for reader in made.values():
-        reader.engine.close()
-
-
-def reader_for(readers: dict[Any, LocalReader], owner: OwnerProcess, geo: Geo, **config: Any) -> LocalReader:
-    key = (geo, tuple(sorted(config.items())))
-    if key not in readers:
-        readers[key] = LocalReader(geo, owner, {**CONFIG, **config})
-    return readers[key]
+def readers(owner: OwnerProcess) -> Iterator[ReaderPool]:
+    pool = ReaderPool(owner, CONFIG, NAMES)
+    yield pool
+    pool.close()
 
 
 # ---------------------------------------------------------------------------------------------- direct
@@ -71,7 +62,7 @@ def test_direct_read_of_pages_is_byte_exact(owner, readers, name, layout, mode):
     """Whole pages move as they lie; the ids include the last and the first block, whose pages of two
     adjacent layers coalesce into one descriptor inside the one registered allocation."""
     geo = replace(OWNERS[name], layout=layout)
-    reader = reader_for(readers, owner, geo, direct_mode=mode)
+    reader = readers.get(geo, direct_mode=mode)
     rng = np.random.default_rng(len(layout) + index(name))
     last = geo.num_blocks - 1
     lids = np.concatenate([[last, 0], rng.permutation(np.arange(1, last))[:7]])
@@ -87,7 +78,7 @@ def test_direct_read_of_pages_is_byte_exact(owner, readers, name, layout, mode):
 
 def test_block_major_read_is_one_descriptor(owner, readers):
     geo = OWNERS["cpu_blhnc"]
-    reader = reader_for(readers, owner, geo)
+    reader = readers.get(geo)
     lids, rids = np.arange(2, 10), np.arange(3, 11)
     reader.poison()
     tel = reader.engine.read(reader.peer(index("cpu_blhnc")), lids, rids, path="direct").wait(20)
@@ -96,7 +87,7 @@ def test_block_major_read_is_one_descriptor(owner, readers):
 
 
 def test_auto_reads_big_pages_direct(owner, readers):
-    reader = reader_for(readers, owner, CPU)
+    reader = readers.get(CPU)
     reader.poison()
     handle = reader.engine.read(reader.peer(index("cpu")), [5, 1], [2, 9])
     assert handle.path == "direct" and ">= threshold" in handle.wait(20).reason
@@ -105,7 +96,7 @@ def test_auto_reads_big_pages_direct(owner, readers):
 
 def test_direct_read_between_different_pages_is_refused(owner, readers):
     """vllm_cpu_attn and flash_attn HND blocks hold the same tokens in other places: never copied as bytes."""
-    reader = reader_for(readers, owner, CPU)
+    reader = readers.get(CPU)
     reader.poison()
     with pytest.raises((LayoutError, IncompatiblePeerError)):
         reader.engine.read(reader.peer(index("fa_hnd")), [0, 1], [0, 1], path="direct")
@@ -116,7 +107,7 @@ def test_direct_read_between_different_pages_is_refused(owner, readers):
 @pytest.mark.parametrize("name", ["cpu", "cpu_blhnc", "vfa_blnhc"])
 def test_packed_read_is_byte_exact(owner, readers, name):
     geo = OWNERS[name]
-    reader = reader_for(readers, owner, geo)
+    reader = readers.get(geo)
     rng = np.random.default_rng(index(name) + 40)
     lids, rids = rng.permutation(geo.num_blocks)[:9], rng.permutation(geo.num_blocks)[:9]
     tokens = 8 * geo.block_size + 7  # the last block is partial
@@ -141,7 +132,7 @@ ACROSS = [
 @pytest.mark.parametrize("case", range(len(ACROSS)))
 def test_packed_read_across_kinds(owner, readers, case):
     name, geo, local_off, remote_off, heads = ACROSS[case]
-    reader = reader_for(readers, owner, geo)
+    reader = readers.get(geo)
     rng = np.random.default_rng(case)
     tokens = 5 * 32 + 11
     src = OWNERS[name]
@@ -157,7 +148,7 @@ def test_packed_read_across_kinds(owner, readers, case):
 
 
 def test_nothing_left_after_reads(owner, readers):
-    for reader in readers.values():
+    for reader in readers:
         stats = reader.engine.stats()
         assert stats["xfer_handles"] == stats["stuck_xfer_handles"] == stats["active_transfers"] == 0
         assert stats["staging_free"] == stats["staging_chunks"]

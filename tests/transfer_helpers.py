@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,17 +59,20 @@ def block_bytes(cache: HostCache, ids: Any) -> Bytes:
 
 class LocalReader:
     """A reader engine over its own cache of ``geo`` (random bytes, poisoned on demand), connected lazily to
-    an owner process's caches by index."""
+    an owner process's caches by index (or by name, given the owner's cache names in order)."""
 
-    def __init__(self, geo: Geo, owner: OwnerProcess, config: dict[str, Any], seed: int = 7) -> None:
+    def __init__(self, geo: Geo, owner: OwnerProcess, config: dict[str, Any], seed: int = 7,
+                 names: list[str] | None = None) -> None:
         from kvshuttle.transfer import EngineConfig, TransferEngine
 
         self.cache = make_cache(np.random.default_rng(seed), geo)
         self.engine = TransferEngine(self.cache.cache(), EngineConfig(**config))
         self.owner = owner
+        self.names = names or []
         self.peers: dict[int, Any] = {}
 
-    def peer(self, index: int) -> Any:
+    def peer(self, key: int | str) -> Any:
+        index = self.names.index(key) if isinstance(key, str) else key
         if index not in self.peers:
             self.peers[index] = self.engine.connect(self.owner.addresses[index])
         return self.peers[index]
@@ -86,6 +90,27 @@ class LocalReader:
         assert np.array_equal(got, want), "read tokens differ from the owner's bytes"
         others = np.setdiff1d(np.arange(self.cache.geo.num_blocks), lids)
         assert (block_bytes(self.cache, others) == 0xA5).all(), "a block outside the read was written"
+
+
+class ReaderPool:
+    """The reader engines of one test module: one per (geometry, config), made on first use, closed at the end."""
+
+    def __init__(self, owner: OwnerProcess, config: dict[str, Any], names: list[str] | None = None) -> None:
+        self.owner, self.config, self.names = owner, config, names
+        self._made: dict[Any, LocalReader] = {}
+
+    def get(self, geo: Geo, **config: Any) -> LocalReader:
+        key = (geo, tuple(sorted(config.items())))
+        if key not in self._made:
+            self._made[key] = LocalReader(geo, self.owner, {**self.config, **config}, names=self.names)
+        return self._made[key]
+
+    def __iter__(self) -> Iterator[LocalReader]:
+        return iter(list(self._made.values()))
+
+    def close(self) -> None:
+        for reader in self._made.values():
+            reader.engine.close()
 
 
 def _owner_main(conn: Any, specs: list[OwnerSpec]) -> None:
