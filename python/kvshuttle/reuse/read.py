@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
-from ..core.blocks import blocks_for_tokens
+from ..core.blocks import as_ids, blocks_for_tokens
 from ..errors import KVShuttleError, shown
 from ..policy import Decision, KVHandle, PolicyConfig, PromptDigests, decide, decide_from_params, parse_handle
 from ..policy.digests import TokenIds
@@ -185,18 +186,18 @@ class ReuseReader:
         self._peers.clear()
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _targets(self, decision: Decision, local_block_ids: Any, num_tokens: int) -> list[int] | None:
+    def _targets(self, decision: Decision, local_block_ids: Any, num_tokens: int) -> npt.NDArray[np.int64] | None:
         """The local blocks the fetched tokens land in; None when they do not start on a local block."""
         bs = self.engine.cache.geometry.block_size
         try:
-            table = [int(b) for b in np.asarray(local_block_ids, dtype=np.int64).reshape(-1)]
-        except (TypeError, ValueError, OverflowError):
+            table = as_ids(local_block_ids)  # one array, no per-block Python on the serving path
+        except (KVShuttleError, TypeError, ValueError, OverflowError):
             raise ReuseArgumentError("local_block_ids must be a sequence of integers") from None
         if len(table) < blocks_for_tokens(num_tokens, bs):
             raise ReuseArgumentError(f"{len(table)} local blocks of {bs} tokens cannot hold the {num_tokens}-token "
                                      "prompt; pass the request's whole block table")
         if not decision.fetch:
-            return []
+            return table[:0]
         tokens = decision.fetch_token_range
         if tokens.start != decision.local_tokens or tokens.start % bs:
             return None
@@ -215,7 +216,8 @@ class ReuseReader:
         self._peers[address] = peer
         return peer
 
-    def fetch(self, decision: Decision, handle: KVHandle, local_ids: Sequence[int], num_tokens: int, *,
+    def fetch(self, decision: Decision, handle: KVHandle, local_ids: Sequence[int] | npt.NDArray[np.int64],
+              num_tokens: int, *,
               started: float | None = None, unknown_grace_s: float = 0.0) -> ReuseResult:
         """Claim, read and confirm what ``decision`` (a fetch) names into ``local_ids``: the second half of
         :meth:`read`, for a caller that decided elsewhere (vLLM's scheduler decides, its worker fetches).
@@ -224,7 +226,7 @@ class ReuseReader:
         just-issued handle a step later than the reader got it).
         """
         started = time.perf_counter() if started is None else started
-        local_ids = [int(b) for b in local_ids]
+        local_ids = np.asarray(local_ids, dtype=np.int64)
         deadline = time.monotonic() + self.timeout_s
         claim_s, ticket, peer, confirming = 0.0, None, None, False
         try:
@@ -233,7 +235,7 @@ class ReuseReader:
             ticket = self._claim(peer, handle, decision.fetch_blocks.stop, deadline,
                                  time.monotonic() + min(unknown_grace_s, self.timeout_s))
             claim_s = time.perf_counter() - t0
-            with self.engine.read(peer, local_ids, list(decision.remote_block_ids), num_tokens=decision.fetch_tokens,
+            with self.engine.read(peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
                                   path=self.path, timeout=_left(deadline)) as transfer:
                 telemetry = transfer.wait(_left(deadline))
             t0 = time.perf_counter()
@@ -248,7 +250,7 @@ class ReuseReader:
                     log.debug("kvshuttle: could not report a failed read to %s: %s", handle.host, report)
             failure = Failure.REUSED_MEANWHILE if confirming and isinstance(exc, ClaimRefusedError) \
                 else _failure(exc)
-            return self._failed(decision, started, num_tokens, failure, tuple(local_ids), str(exc), claim_s,
+            return self._failed(decision, started, num_tokens, failure, tuple(local_ids.tolist()), str(exc), claim_s,
                                 getattr(exc, "reason", ""))
         return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
                            decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)

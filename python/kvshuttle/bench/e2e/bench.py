@@ -40,7 +40,7 @@ from typing import Any
 
 from ..schema import envelope
 from .conversation import ConversationPlan, Turn, run_pd_conversation
-from .engines import EngineSpec, VllmEngine, free_port, nixl_transfer_config, start_all
+from .engines import VllmEngine, nixl_transfer_config, pd_pair, shuttle_transfer_config, start_all
 
 CONFIGS = ("recompute", "nixl", "kvshuttle")
 CASES = ("main", "edited", "short", "expired")
@@ -68,28 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ engines
-def _shuttle_config(**extra: Any) -> dict[str, Any]:
-    return {"kv_connector": "KVShuttleConnector", "kv_connector_module_path": "kvshuttle.integrations.vllm",
-            "kv_role": "kv_both", "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {"bidirectional_kv_xfer": True, **extra}}
-
-
 def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tuple[VllmEngine, VllmEngine]:
-    """Prefill (prefix cache off, core 0) and decode (prefix cache on, core 1) engines, not started."""
+    """The engine pair of one configuration, not started."""
     extra = {"kv_recompute_threshold": args.threshold, "decoder_kv_blocks_ttl": args.ttl}
-    engines = []
-    for role, cores in (("prefill", (0,)), ("decode", (1 % (os.cpu_count() or 1),))):
-        port: int | None = None
-        if kind == "kvshuttle":
-            transfer = _shuttle_config(**extra)
-        else:
-            transfer = nixl_transfer_config(bidirectional=kind == "nixl", **extra)
-            port = free_port()
-        engines.append(VllmEngine(EngineSpec(
-            model=model, name=f"{kind}-{role}", kv_transfer_config=transfer, enable_prefix_caching=role == "decode",
-            side_channel_port=port, cpu_cores=cores, warmup_tokens=args.warmup_tokens, startup_timeout_s=420.0,
-            request_timeout_s=180.0, log_path=str(log_dir / f"{kind}-{role}.log")), start=False))
-    return engines[0], engines[1]
+    config = (shuttle_transfer_config(**extra) if kind == "kvshuttle"
+              else nixl_transfer_config(bidirectional=kind == "nixl", **extra))
+    return pd_pair(model, config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens)
 
 
 def _drain_and_reset(decode: VllmEngine, ttl: float) -> bool:

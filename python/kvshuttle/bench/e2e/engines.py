@@ -105,6 +105,30 @@ def nixl_transfer_config(*, bidirectional: bool = True, kv_role: str = "kv_both"
             "kv_connector_extra_config": cfg}
 
 
+def shuttle_transfer_config(*, bidirectional: bool = True, **extra: Any) -> dict[str, Any]:
+    """kvshuttle's ``KVShuttleConnector`` (``extra`` goes to ``kv_connector_extra_config``)."""
+    return {"kv_connector": "KVShuttleConnector", "kv_connector_module_path": "kvshuttle.integrations.vllm",
+            "kv_role": "kv_both", "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"bidirectional_kv_xfer": bidirectional, **extra}}
+
+
+def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str, Any], log_dir: Path, *,
+            name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0
+            ) -> tuple[VllmEngine, VllmEngine]:
+    """A prefill (prefix cache off, core 0) and a decode engine (prefix cache on, core 1), not started yet
+    (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600)."""
+    engines = []
+    for role, config, cores in (("prefill", prefill_config, (0,)),
+                                ("decode", decode_config, (1 % (os.cpu_count() or 1),))):
+        port = free_port() if config.get("kv_connector") == "NixlConnector" else None
+        label = f"{name}-{role}" if name else role
+        engines.append(VllmEngine(EngineSpec(
+            model=model, name=label, kv_transfer_config=config, enable_prefix_caching=role == "decode",
+            side_channel_port=port, cpu_cores=cores, warmup_tokens=warmup_tokens, startup_timeout_s=420.0,
+            request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log")), start=False))
+    return engines[0], engines[1]
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (racy by nature; fine for tests on one host)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
