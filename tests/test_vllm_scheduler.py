@@ -152,3 +152,37 @@ def test_a_failed_load_is_not_reported_as_read() -> None:
     _, out = prefill.request_finished(request("p", [*history, 1, 2], params, output=[3]), [list(range(20, 31))])
     assert out is not None and out["kvshuttle_read_tokens"] == 0
     assert prefill.counts["load_failed"] == 1
+
+
+def test_a_router_key_publishes_the_returned_params_for_the_worker_board() -> None:
+    s = scheduler()
+    tokens = words(300)
+    req = request("d1", tokens[:-8], {"remote_engine_id": "p", "kvshuttle_publish_key": "route-7"},
+                  output=tokens[-8:])
+    keep, params = s.request_finished(req, [list(range(100, 110))])
+    meta = s.build_connector_meta()
+    (pub,) = meta.publications
+    assert keep and (pub.request_id, pub.key, pub.params) == ("d1", "route-7", params)
+    assert s.build_connector_meta().publications == []  # handed over once
+
+
+def test_a_request_that_retains_nothing_publishes_none_so_the_router_need_not_wait() -> None:
+    s = scheduler()
+    aborted = request("a", words(50), {"kvshuttle_publish_key": "route-8"}, output=[1], status="FINISHED_ABORTED")
+    assert s.request_finished(aborted, [[1, 2]]) == (False, None)
+    (pub,) = s.build_connector_meta().publications
+    assert (pub.key, pub.params) == ("route-8", None)
+
+
+def test_a_malformed_router_key_is_not_published_and_counted() -> None:
+    s = scheduler()
+    params = decode_turn_with({"remote_engine_id": "p", "kvshuttle_publish_key": "x" * 500}, s)
+    assert params is not None  # the request itself is unaffected
+    assert s.build_connector_meta().publications == []
+    assert s.counts["publish_key"] == 1
+
+
+def decode_turn_with(params: dict[str, Any], s: ShuttleScheduler) -> dict[str, Any] | None:
+    tokens = words(100)
+    _, out = s.request_finished(request("d2", tokens[:-4], params, output=tokens[-4:]), [[1, 2, 3, 4]])
+    return out

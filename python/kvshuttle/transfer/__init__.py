@@ -6,8 +6,10 @@ See :mod:`kvshuttle.transfer.engine` for the owner/reader walk-through and
 
 from __future__ import annotations
 
+from .board import PUBLISH_KEY, HandleBoard
 from .claims import ClaimAuthority, ClaimRefusedError, ClaimTicket
 from .config import EngineConfig
+from .control import release_retention, renew_retention, take_published
 from .engine import TransferEngine
 from .errors import (
     BlockRangeError,
@@ -31,11 +33,13 @@ from .reader import ReaderRole
 from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
 __all__ = [
+    "PUBLISH_KEY",
     "BlockRangeError",
     "ClaimAuthority",
     "ClaimRefusedError",
     "ClaimTicket",
     "EngineConfig",
+    "HandleBoard",
     "IncompatiblePeerError",
     "NixlUnavailableError",
     "OwnerRole",
@@ -57,4 +61,7 @@ __all__ = [
     "TransferState",
     "TransferTelemetry",
     "TransferTimeoutError",
+    "release_retention",
+    "renew_retention",
+    "take_published",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._nixl import NixlCallError
+from .board import HandleBoard
 from .claims import ClaimAuthority
 from .endpoint import Endpoint
 from .errors import SideChannelError, TransferError
@@ -26,6 +27,7 @@ class OwnerRole(Endpoint):
     """Serves this endpoint's cache on a side channel (``serve``); ``claims`` is the retention authority."""
 
     _claims: ClaimAuthority | None = None
+    _board: HandleBoard | None = None
 
     def serve(self) -> str:
         """Start answering readers on the side channel; returns its address (``tcp://host:port``)."""
@@ -44,6 +46,7 @@ class OwnerRole(Endpoint):
             except OSError as exc:
                 raise SideChannelError(str(exc)) from exc
             self._owner.server = self._server
+            self._owner.board = self._board
         return self._server.address
 
     @property
@@ -60,6 +63,17 @@ class OwnerRole(Endpoint):
         self._claims = authority
         if self._owner is not None:
             self._owner.claims = authority
+
+    @property
+    def board(self) -> HandleBoard | None:
+        """Handles published for routers to take (``take_published``); None: nothing is ever published."""
+        return self._board
+
+    @board.setter
+    def board(self, board: HandleBoard | None) -> None:
+        self._board = board
+        if self._owner is not None:
+            self._owner.board = board
 
     def notifications(self) -> list[ReadNotice]:
         """Completion notifications from readers since the last call (owner side)."""

@@ -19,6 +19,7 @@ from ..core import ops
 from ..core.blocks import as_ids, blocks_hold_tokens, check_ids
 from ..core.layout import PagedKVCache
 from ..errors import BlockIdError, KVShuttleError, LayoutError
+from .board import HandleBoard, serve_take
 from .claims import ClaimAuthority, serve_claim
 from .errors import StagingExhaustedError
 from .side_channel import SideChannelServer
@@ -138,6 +139,7 @@ class OwnerService:
                  claims: ClaimAuthority | None = None) -> None:
         self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
+        self.board: HandleBoard | None = None  # handles published for a router (see board.py)
         self.server: SideChannelServer | None = None
         self._jobs: dict[tuple[bytes, str], PackJob] = {}
         self._lock = threading.Lock()
@@ -169,6 +171,8 @@ class OwnerService:
             return self._pack(identity, message)
         if op in ("claim", "claim_done", "renew_retention", "release_retention"):  # "release" frees a chunk
             return serve_claim(self.claims, message)
+        if op == "take_published":
+            return serve_take(self.board, message)
         if op in ("release", "abort"):
             with self._lock:
                 job = self._jobs.get((identity, str(message.get("tid"))))

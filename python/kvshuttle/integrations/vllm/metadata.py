@@ -38,10 +38,21 @@ class RetainJob:
     use_once: bool
 
 
+@dataclass(frozen=True)
+class Publication:
+    """What a finished request returned as ``kv_transfer_params`` (None: nothing retained), published under the
+    router's key once the worker has retained (or refused) its blocks."""
+
+    request_id: str
+    key: str
+    params: dict[str, Any] | None
+
+
 @dataclass
 class ShuttleMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     retains: list[RetainJob] = field(default_factory=list)
+    publications: list[Publication] = field(default_factory=list)
 
 
 @dataclass

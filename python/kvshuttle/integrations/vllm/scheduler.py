@@ -25,10 +25,12 @@ import time
 from typing import Any
 
 from ...core.blocks import blocks_for_tokens
+from ...errors import KVShuttleError
 from ...policy import Decision, KVHandle, block_digests, decide, parse_handle
 from ...policy.kv_handle import PREFIX
+from ...transfer.board import PUBLISH_KEY, check_publish_key
 from .config import ShuttleConfig
-from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata
+from .metadata import LoadJob, Publication, RetainJob, ShuttleHandshake, ShuttleMetadata
 from .requests import block_table, finished_normally
 from .stats import ShuttleStats
 
@@ -46,6 +48,7 @@ class ShuttleScheduler:
         self._decisions: dict[str, tuple[int, Decision]] = {}  # request -> (local hit, decision) awaiting alloc
         self._loads: list[LoadJob] = []
         self._retains: list[RetainJob] = []
+        self._publications: list[Publication] = []
         self._held: set[str] = set()  # requests whose blocks wait for the worker's finished_sending
         self._reads: dict[str, tuple[int, frozenset[int]]] = {}  # request -> (tokens read, target blocks)
         self._warned: set[str] = set()
@@ -100,8 +103,8 @@ class ShuttleScheduler:
         self._record(request.request_id, decision)
 
     def build_connector_meta(self) -> ShuttleMetadata:
-        meta = ShuttleMetadata(self._loads, self._retains)
-        self._loads, self._retains = [], []
+        meta = ShuttleMetadata(self._loads, self._retains, self._publications)
+        self._loads, self._retains, self._publications = [], [], []
         return meta
 
     # -- finished requests ----------------------------------------------------------------------------------
@@ -109,6 +112,16 @@ class ShuttleScheduler:
         self._decisions.pop(request.request_id, None)
         read, _ = self._reads.pop(request.request_id, (0, frozenset()))
         params = request.kv_transfer_params
+        keep, out = self._retain(request, block_ids, params, read)
+        key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
+        if key is not None:  # a streaming router takes the params from the worker's board (board.py)
+            try:
+                self._publications.append(Publication(request.request_id, check_publish_key(key), out))
+            except KVShuttleError as exc:
+                self._warn_once("publish_key", f"kvshuttle: not publishing request {request.request_id}: {exc}")
+        return keep, out
+
+    def _retain(self, request: Any, block_ids: Any, params: Any, read: int) -> tuple[bool, dict[str, Any] | None]:
         if not params or not finished_normally(request):
             return False, None
         prefill = bool(params.get("do_remote_decode"))  # this engine prefilled for a decode

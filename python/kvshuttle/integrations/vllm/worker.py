@@ -23,7 +23,7 @@ from ...errors import KVShuttleError
 from ...policy import KVHandle, parse_handle
 from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
-from ...transfer import EngineConfig, TransferEngine
+from ...transfer import EngineConfig, HandleBoard, TransferEngine
 from .config import ConnectorConfigError, ShuttleConfig
 from .metadata import LoadJob, ShuttleHandshake, ShuttleMetadata
 from .stats import ShuttleStats
@@ -47,6 +47,7 @@ class ShuttleWorker:
         self._seen_finished: set[str] = set()  # ids vLLM passed as finished (finished_sending must be among them)
         self._load_errors: set[int] = set()
         self._results: list[ReuseResult] = []  # finished loads since the last stats read
+        self.board = HandleBoard()  # handles a streaming router takes (board.py)
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], backend: str) -> None:
@@ -66,6 +67,7 @@ class ShuttleWorker:
                                       budget_blocks=c.budget_blocks, bytes_per_block=g.block_size * g.bytes_per_token,
                                       on_release=self._on_release)
         self.engine.claims = self.ledger
+        self.engine.board = self.board
         self.reader = ReuseReader(self.engine, c.policy(), timeout_s=c.load_timeout_s, path=c.path)
         log.info("kvshuttle: serving %s on %s", g.describe(), address)
 
@@ -79,6 +81,7 @@ class ShuttleWorker:
         """Take the step's retentions and start its loads (non-blocking)."""
         if self.ledger is None or self.reader is None:
             return
+        refused: set[str] = set()
         for job in meta.retains:
             try:
                 self.ledger.retain(job.request_id, job.block_ids, job.digests, job.num_tokens, job.block_size,
@@ -86,10 +89,14 @@ class ShuttleWorker:
                                    mode="use_once" if job.use_once else "multi_read")
             except BudgetExceededError as exc:
                 log.info("kvshuttle: request %s not retained: %s", job.request_id, exc)
+                refused.add(job.request_id)
                 self._on_release(job.request_id)
             except KVShuttleError as exc:
                 log.warning("kvshuttle: request %s not retained: %s", job.request_id, exc)
+                refused.add(job.request_id)
                 self._on_release(job.request_id)
+        for pub in meta.publications:  # after the retains: a published handle is already claimable
+            self.board.put(pub.key, None if pub.request_id in refused else pub.params)
         for load in meta.loads:
             with self._lock:
                 self._loading[load.request_id] = self._loader.submit(self._load, load)

@@ -1,0 +1,86 @@
+"""What a router says to a decode over its side channel, with no NIXL agent and no KV cache of its own:
+take a published handle, renew a conversation's retention, release it.
+
+Each call opens one short-lived side-channel connection (the same ZMQ DEALER, monitor and heartbeats as a
+reader's), so a dead or frozen decode fails fast with :class:`PeerUnreachableError` / :class:`PeerLostError`
+instead of hanging a router's request. Blocking: call them from a thread in an async server
+(``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from ..errors import shown
+from ..policy import KVHandle, parse_handle
+from .board import check_publish_key
+from .errors import ProtocolError, TransferArgumentError
+from .side_channel import Connection
+
+
+def _connect(address: str) -> Connection:
+    return Connection(zmq.Context.instance(), address)
+
+
+def _handle(kv_transfer_params: Any) -> KVHandle:
+    handle = parse_handle(kv_transfer_params)
+    if not isinstance(handle, KVHandle):
+        raise TransferArgumentError(f"no kvshuttle handle in these kv_transfer_params: {handle.message}")
+    return handle
+
+
+def take_published(address: str, key: str, timeout_s: float = 2.0, poll_s: float = 0.02) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` the owner at ``address`` published under ``key``, waiting up to ``timeout_s``.
+
+    None when nothing was published in time, or the owner published "nothing retained". A found entry is
+    removed: exactly one caller gets it.
+    """
+    check_publish_key(key)
+    conn = _connect(address)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = conn.request({"op": "take_published", "key": key}, max(0.5, deadline - time.monotonic()),
+                                 "take_published")
+            if reply.get("op") != "published":
+                raise ProtocolError(f"{address} answered take_published with {shown(reply)}")
+            if reply.get("found"):
+                params = reply.get("kv_transfer_params")
+                return dict(params) if isinstance(params, dict) else None
+            if time.monotonic() + poll_s > deadline:
+                return None
+            time.sleep(poll_s)
+    finally:
+        conn.close()
+
+
+def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None,
+                    timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """Keep the decode's retention of this handle for another ``ttl_s`` (default: the decode's TTL).
+
+    The refreshed params (same blocks, later expiry), or None when the decode no longer holds them (expired,
+    evicted, released, consumed). TransferArgumentError for params holding no kvshuttle handle.
+    """
+    handle = _handle(kv_transfer_params)
+    conn = _connect(f"tcp://{handle.host}:{handle.port}")
+    try:
+        reply = conn.request({"op": "renew_retention", "handle_id": handle.handle_id, "ttl_s": ttl_s}, timeout_s,
+                             "a renewal")
+    finally:
+        conn.close()
+    params = reply.get("kv_transfer_params") if reply.get("op") == "renewed" else None
+    return dict(params) if isinstance(params, dict) else None
+
+
+def release_retention(kv_transfer_params: Any, timeout_s: float = 2.0) -> bool:
+    """Let the decode free this handle's blocks now; False when there was nothing (left) to free."""
+    handle = _handle(kv_transfer_params)
+    conn = _connect(f"tcp://{handle.host}:{handle.port}")
+    try:
+        reply = conn.request({"op": "release_retention", "handle_id": handle.handle_id}, timeout_s, "a release")
+    finally:
+        conn.close()
+    return reply.get("op") == "released" and bool(reply.get("released"))

@@ -1,0 +1,177 @@
+"""The handle board and the router's side-channel calls (``transfer/control.py``): a decode publishes a finished
+request's params under a router's key and the router takes them once (what lets a router stream an answer and
+still learn the next turn's handle); a router renews and releases a conversation's retention without NIXL."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvshuttle.policy import block_digests
+from kvshuttle.retention import RetentionLedger
+from kvshuttle.transfer.board import HandleBoard, check_publish_key, serve_take
+from kvshuttle.transfer.errors import PeerUnreachableError, TransferArgumentError
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_entry_is_taken_once() -> None:
+    board = HandleBoard()
+    board.put("k1", {"remote_block_ids": [1, 2]})
+    assert board.take("k1") == (True, {"remote_block_ids": [1, 2]})
+    assert board.take("k1") == (False, None)
+
+
+def test_nothing_retained_is_published_as_found_none() -> None:
+    board = HandleBoard()
+    board.put("k1", None)
+    assert board.take("k1") == (True, None)
+    assert len(board) == 0
+
+
+def test_entries_expire_after_ttl() -> None:
+    clock = FakeClock()
+    board = HandleBoard(ttl_s=5.0, clock=clock)
+    board.put("old", {"a": 1})
+    clock.now += 4.0
+    board.put("young", {"b": 2})
+    clock.now += 1.5
+    assert board.take("old") == (False, None)
+    assert board.take("young") == (True, {"b": 2})
+    assert board.dropped == 1
+
+
+def test_the_board_is_bounded_oldest_first() -> None:
+    board = HandleBoard(max_entries=3)
+    for i in range(5):
+        board.put(f"k{i}", {"i": i})
+    assert len(board) == 3 and board.dropped == 2
+    assert board.take("k0") == (False, None)
+    assert board.take("k4") == (True, {"i": 4})
+
+
+@pytest.mark.parametrize("key", ["", "x" * 129, "tab\there", 7, None, b"bytes"])
+def test_malformed_keys_are_named_errors(key: object) -> None:
+    with pytest.raises(TransferArgumentError, match="publish key"):
+        check_publish_key(key)
+
+
+def test_serve_take_answers_malformed_requests_with_a_protocol_error() -> None:
+    reply = serve_take(HandleBoard(), {"op": "take_published", "key": 12})
+    assert reply["op"] == "error" and reply["kind"] == "protocol"
+    assert serve_take(None, {"op": "take_published", "key": "k"}) == {
+        "op": "published", "found": False, "kv_transfer_params": None}
+
+
+@pytest.mark.parametrize(("ttl", "size"), [(0.0, 10), (-1.0, 10), (1.0, 0)])
+def test_board_settings_are_checked(ttl: float, size: int) -> None:
+    with pytest.raises(TransferArgumentError):
+        HandleBoard(ttl_s=ttl, max_entries=size)
+
+
+# -- over a real owner's side channel -------------------------------------------------------------------------
+@pytest.fixture
+def served() -> Iterator[tuple[str, HandleBoard, RetentionLedger]]:
+    pytest.importorskip("nixl._api")
+    from kvshuttle import PagedKVCache
+    from kvshuttle.transfer import EngineConfig, TransferEngine
+
+    rng = np.random.default_rng(3)
+    cache = PagedKVCache.from_arrays([rng.integers(1, 2**16, size=(2, 8, 16, 2, 32), dtype=np.uint16)],
+                                     "flash_attn")
+    engine = TransferEngine(cache, EngineConfig())
+    try:
+        address = engine.serve()
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        board = HandleBoard()
+        engine.board = board
+        ledger = RetentionLedger("decode", host, int(port), ttl_s=30.0)
+        engine.claims = ledger
+        yield address, board, ledger
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def owner(served: tuple[str, HandleBoard, RetentionLedger]) -> tuple[str, HandleBoard]:
+    return served[0], served[1]
+
+
+def retained(ledger: RetentionLedger) -> dict[str, object]:
+    return ledger.retain("r1", [3, 1, 2], block_digests(list(range(40)), 16), 40, 16).to_kv_transfer_params()
+
+
+def test_renew_extends_a_retention_without_a_nixl_agent(served: tuple[str, HandleBoard, RetentionLedger]) -> None:
+    from kvshuttle.transfer import renew_retention
+
+    _, _, ledger = served
+    params = retained(ledger)
+    renewed = renew_retention(params, ttl_s=120.0)
+    assert renewed is not None and renewed["remote_block_ids"] == [3, 1, 2]
+    assert float(renewed["remote_blocks_expiry_time"]) > float(params["remote_blocks_expiry_time"]) + 60
+
+
+def test_release_frees_once_and_renewing_a_released_handle_gives_none(
+        served: tuple[str, HandleBoard, RetentionLedger]) -> None:
+    from kvshuttle.transfer import release_retention, renew_retention
+
+    _, _, ledger = served
+    params = retained(ledger)
+    assert release_retention(params) is True
+    assert ledger.metrics()["retained_blocks"] == 0
+    assert release_retention(params) is False
+    assert renew_retention(params) is None
+
+
+@pytest.mark.parametrize("params", [None, {}, {"remote_host": "h"}, {"do_remote_decode": True}])
+def test_renew_and_release_need_a_kvshuttle_handle(params: object) -> None:
+    from kvshuttle.transfer import release_retention, renew_retention
+
+    with pytest.raises(TransferArgumentError, match="no kvshuttle handle"):
+        renew_retention(params)
+    with pytest.raises(TransferArgumentError, match="no kvshuttle handle"):
+        release_retention(params)
+
+
+def test_take_published_over_the_side_channel(owner: tuple[str, HandleBoard]) -> None:
+    from kvshuttle.transfer import take_published
+
+    address, board = owner
+    board.put("conv-1", {"remote_num_tokens": 99, "remote_block_ids": [3, 1, 2]})
+    assert take_published(address, "conv-1", timeout_s=2.0) == {"remote_num_tokens": 99,
+                                                                 "remote_block_ids": [3, 1, 2]}
+    assert take_published(address, "conv-1", timeout_s=0.2) is None  # taken once
+
+
+def test_take_published_waits_for_a_late_publication(owner: tuple[str, HandleBoard]) -> None:
+    from kvshuttle.transfer import take_published
+
+    address, board = owner
+    timer = threading.Timer(0.3, board.put, ("late", {"remote_num_tokens": 5}))
+    timer.start()
+    try:
+        started = time.monotonic()
+        params = take_published(address, "late", timeout_s=10.0)
+    finally:
+        timer.cancel()
+    assert params == {"remote_num_tokens": 5}
+    assert time.monotonic() - started < 9.0  # returned when published, not at the timeout
+
+
+def test_take_published_from_nobody_is_a_named_error() -> None:
+    pytest.importorskip("zmq")
+    from kvshuttle.bench.e2e.engines import free_port
+    from kvshuttle.transfer import take_published
+
+    with pytest.raises(PeerUnreachableError):
+        take_published(f"tcp://127.0.0.1:{free_port()}", "k", timeout_s=1.0)
