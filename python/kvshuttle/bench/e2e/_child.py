@@ -11,6 +11,8 @@ Messages are pickled dicts over ``multiprocessing.connection.Connection``:
   "logprobs": k, "ignore_eos": bool}`` -> ``{"ok": True, "result": {...}}`` (see ``_generate``);
 * ``{"op": "keep_stepping", "interval_s": float | None}``: while idle, run a 1-token filler request every
   ``interval_s`` seconds (``None`` stops it);
+* ``{"op": "kv_usage"}``: run one filler step (pending frees land, the gauges refresh), then return vLLM's
+  ``kv_cache_usage_perc`` and kvshuttle's ``retained_blocks`` gauges;
 * ``{"op": "reset_prefix_cache"}``, ``{"op": "ping"}``, ``{"op": "close"}``.
 
 Errors come back as ``{"ok": False, "error": str, "traceback": str}``; the child keeps serving.
@@ -138,6 +140,16 @@ class _Server:
         self._run(_FILLER_PROMPT, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         self.fillers += 1
 
+    def kv_usage(self) -> dict[str, float | None]:
+        """vLLM's KV cache usage (1 - free blocks / blocks) and kvshuttle's retained blocks, after one step."""
+        self.filler()
+        gauges: dict[str, float | None] = {"kv_cache_usage_perc": None, "kvshuttle_retained_blocks": None}
+        for metric in self.llm.get_metrics():
+            name = metric.name.removeprefix("vllm:")
+            if name in gauges and gauges[name] is None:
+                gauges[name] = float(metric.value)
+        return gauges
+
     # ------------------------------------------------------------------------------------------------ loop
     def serve(self, conn: Connection) -> None:
         while True:
@@ -156,6 +168,8 @@ class _Server:
                     interval = msg.get("interval_s")
                     self.keep_stepping_s = float(interval) if interval else None
                     reply = {"ok": True, "result": {"fillers": self.fillers}}
+                elif op == "kv_usage":
+                    reply = {"ok": True, "result": self.kv_usage()}
                 elif op == "reset_prefix_cache":
                     reply = {"ok": True, "result": bool(self.llm.reset_prefix_cache())}
                 elif op == "ping":

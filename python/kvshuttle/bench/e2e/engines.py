@@ -317,6 +317,12 @@ class VllmEngine:
         """While idle, run a 1-token filler request every ``interval_s`` seconds (``None``: stop)."""
         self._call({"op": "keep_stepping", "interval_s": interval_s}, 30.0, what="keep_stepping")
 
+    def kv_usage(self) -> dict[str, float | None]:
+        """After one filler step: ``kv_cache_usage_perc`` (vLLM's, 1 - free/total blocks) and
+        ``kvshuttle_retained_blocks`` (the connector's gauge; None without kvshuttle)."""
+        result: dict[str, float | None] = self._call({"op": "kv_usage"}, 60.0, what="kv_usage")
+        return result
+
     def reset_prefix_cache(self) -> bool:
         return bool(self._call({"op": "reset_prefix_cache"}, 60.0, what="reset_prefix_cache"))
 

@@ -24,6 +24,9 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 BOS_ID, EOS_ID = 1, 2
 #: The file that records how a directory was built (the idempotence key).
 STAMP = "kvshuttle_tiny.json"
+#: A plain chat template: one line per message, then the assistant's turn (no special tokens inside).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 _WEIGHT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -41,7 +44,7 @@ class TinyLlamaSpec:
     max_positions: int = 8192
     seed: int = 0
     init_std: float = 0.02
-    format_version: int = 1
+    format_version: int = 2  # 2: the tokenizer has a chat template (for /v1/chat/completions)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -128,7 +131,7 @@ def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
         "model_max_length": spec.max_positions, "clean_up_tokenization_spaces": False,
-        "add_bos_token": True, "add_eos_token": False,
+        "add_bos_token": True, "add_eos_token": False, "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
