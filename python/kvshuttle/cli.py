@@ -1,4 +1,4 @@
-"""The ``kvshuttle`` command: ``demo``, ``info``, ``bench pack|plan|transfer|policy|retention|e2e``."""
+"""The ``kvshuttle`` command: ``demo``, ``info``, ``plan``, ``bench pack|plan|transfer|policy|retention|e2e``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     from .demo import run as demo_module
 
     demo_module.add_arguments(demo)
+    plan = commands.add_parser("plan", help="what-if planner: does reading KV back from decode pay for a workload")
+    from .planner import cli as plan_module
+
+    plan_module.add_arguments(plan)
     bench = commands.add_parser("bench", help="microbenchmarks with ratios against a peer measured in the same run")
     which = bench.add_subparsers(dest="bench", required=True)
     for name, module_name in BENCHES.items():
@@ -46,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run as demo_module
 
         return demo_module.main(args)
+    if args.command == "plan":
+        from .planner import cli as plan_module
+
+        return plan_module.main(args)
     if args.command == "info":
         from . import build_info
 

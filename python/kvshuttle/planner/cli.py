@@ -1,0 +1,136 @@
+"""``kvshuttle plan``: does reading old context back from decode pay for this workload, and what does it hold?
+
+    kvshuttle plan                                   # the bundled agent trace, the H200 + EFA profile
+    kvshuttle plan --trace my.jsonl --profile measured --ttl 60,240,480 --threshold 64,256,cost --plots out/
+    kvshuttle plan --synthetic conversations=50,human_fraction=0.5,human_gap_s=600 --json
+    kvshuttle plan --cases                           # no reusable context, pauses past the TTL, edited history
+    kvshuttle plan --validate                        # predictions vs benchmarks/results/vm2_e2e.json, per row
+    kvshuttle plan --reproduce                       # the published Qwen3-32B H200 curve, on and off
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import PlannerError
+from .profile import PROFILE_NAMES, load_profile
+from .simulate import Threshold
+from .trace import SyntheticSpec, example_trace_path, load_trace, synthetic_trace, write_trace
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", metavar="FILE", help="JSON-lines trace (default: the bundled agent trace)")
+    source.add_argument("--synthetic", metavar="K=V,...", nargs="?", const="",
+                        help="a generated trace: conversations, turns_min, turns_max, first_tokens, new_tokens, "
+                             "output_tokens, tool_gap_s, human_gap_s, human_fraction, edit_fraction, "
+                             "fresh_fraction, start_window_s, seed")
+    parser.add_argument("--profile", default="h200-efa-qwen3-32b",
+                        help=f"{' | '.join(PROFILE_NAMES)} | a JSON file (default: h200-efa-qwen3-32b)")
+    parser.add_argument("--ttl", default="60,240,480", help="decoder_kv_blocks_ttl values (s), comma-separated")
+    parser.add_argument("--threshold", default="64,256,1024",
+                        help="kv_recompute_threshold values (tokens; 'cost': the policy's cost model)")
+    parser.add_argument("--prefill-workers", type=int, default=1,
+                        help="prefill workers turns are routed to at random (local-prefix-cache baseline)")
+    parser.add_argument("--prefill-cache-gib", type=float, default=None, help="override the profile's prefix cache")
+    parser.add_argument("--queue", action="store_true", help="requests wait for their prefill worker (FIFO)")
+    parser.add_argument("--expiry-margin", type=float, default=5.0, help="seconds of TTL a read needs left")
+    parser.add_argument("--plots", metavar="DIR", help="write ttft_vs_prompt.png and retained_vs_ttl.png here")
+    parser.add_argument("--write-trace", metavar="FILE", help="also write the trace used as JSON lines")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--validate", metavar="E2E_JSON", nargs="?", const="",
+                      help="predictions vs a 'kvshuttle bench e2e --json' output (default: "
+                           "benchmarks/results/vm2_e2e.json), per row")
+    what.add_argument("--reproduce", action="store_true",
+                      help="planner TTFT on/off vs prompt length next to the published H200 points")
+    what.add_argument("--cases", action="store_true", help="no reusable context, pauses past the TTL, edited history")
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise PlannerError(f"--{what} takes comma-separated numbers, got {text!r}") from None
+    if not values or any(not v >= 0 for v in values):
+        raise PlannerError(f"--{what} needs numbers >= 0, got {text!r}")
+    return values
+
+
+def _thresholds(text: str) -> list[Threshold]:
+    out: list[Threshold] = []
+    for item in (s.strip() for s in text.split(",")):
+        if item == "cost":
+            out.append("cost")
+        elif item.lstrip("-").isdigit():
+            out.append(int(item))
+        elif item:
+            raise PlannerError(f"--threshold takes integers or 'cost', got {item!r}")
+    if not out:
+        raise PlannerError("--threshold needs at least one value")
+    return out
+
+
+def _emit(args: argparse.Namespace, doc: Any, text: str) -> None:
+    print(json.dumps(doc, default=str) if args.json else text)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except PlannerError as exc:
+        print(f"kvshuttle plan: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.validate is not None:
+        from .validate import default_e2e_path, default_transfer_paths, format_validation, load_e2e, validate
+
+        path = Path(args.validate) if args.validate else default_e2e_path()
+        result = validate(load_e2e(path), [str(p) for p in default_transfer_paths(path)])
+        result["source"] = str(path)
+        _emit(args, result, f"{path}\n" + format_validation(result))
+        return 0
+    profile = load_profile(args.profile)
+    if args.prefill_cache_gib is not None:
+        profile = profile.with_changes(prefill_cache_gib=args.prefill_cache_gib)
+    if args.reproduce:
+        from .published import format_reproduction, reproduce
+
+        rows = reproduce(profile if args.profile != "h200-efa-qwen3-32b" else None)
+        _emit(args, {"profile": profile.to_dict(), "rows": rows}, format_reproduction(rows, profile))
+        return 0
+    ttls, thresholds = _floats(args.ttl, "ttl"), _thresholds(args.threshold)
+    if args.cases:
+        from .report import format_cases, run_cases
+
+        rows = run_cases(profile, ttls[0], thresholds[0])
+        _emit(args, {"profile": profile.to_dict(), "ttl_s": ttls[0], "threshold": thresholds[0], "cases": rows},
+              format_cases(rows, ttls[0], thresholds[0]))
+        return 0
+    if args.synthetic is not None:
+        trace = synthetic_trace(SyntheticSpec.parse(args.synthetic))
+    else:
+        trace = load_trace(args.trace or example_trace_path())
+    if args.write_trace:
+        Path(args.write_trace).write_text(write_trace(trace), encoding="utf-8")
+    from .report import format_plan, run_plan, write_plots
+
+    command = "kvshuttle plan " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
+    doc, runs = run_plan(trace, profile, ttls, thresholds, prefill_workers=args.prefill_workers, queue=args.queue,
+                         expiry_margin_s=args.expiry_margin, progress=not args.no_progress and not args.json,
+                         command=command.strip() or "kvshuttle plan")
+    if args.plots:
+        doc["plots"] = [str(p) for p in write_plots(doc, runs, args.plots)]
+    text = format_plan(doc)
+    if args.plots:
+        text += "\nplots: " + ", ".join(doc["plots"])
+    _emit(args, doc, text)
+    return 0

@@ -1,0 +1,290 @@
+"""The what-if simulation: replay a trace under one cost profile, per mode, TTL and threshold.
+
+A discrete-event replay in arrival order. Each conversation is closed-loop: a turn arrives ``gap_s`` after the
+previous turn's answer ended, so faster turns bring the next ones forward. Per turn:
+
+1. **Local prefix cache** (modes ``local_cache``, ``reverse_read+local_cache``): the prefill worker the turn is
+   routed to (``prefill_workers``, chosen at random, seeded) holds whole blocks of the prompts it computed or read
+   earlier, in an LRU of ``profile.prefill_cache_gib`` shared by every conversation on that worker (partial
+   eviction from the least recently used entry's tail, as vLLM frees a request's tail blocks first). A prefill
+   worker never holds an answer: decode generated it. The hit is the cached prefix the new prompt still shares,
+   in whole blocks, never the last prompt token.
+2. **Reverse read** (modes ``reverse_read*``): the previous turn's decode retained its prompt + answer (minus
+   the last sampled token, which has no KV yet) until ``end + TTL``. The decision is kvshuttle's own policy,
+   :func:`kvshuttle.policy.decide`, on real block digests of synthetic token ids (an edited history verifies
+   only its shared prefix), the local hit, the handle's expiry at the turn's arrival (``expiry_margin_s``) and
+   the threshold (``kv_recompute_threshold`` semantics, or ``"cost"``: the policy's cost model with this
+   profile's numbers).
+3. **TTFT** = queueing (only with ``queue``: one request at a time per prefill worker) + ``prefill_fixed_s`` +
+   the read (whole blocks) + computing the rest after the reused prefix. **Turn latency** = TTFT + decode.
+4. **Retention**: a handle holds its blocks on decode from its turn's end until the TTL expires or the
+   conversation's next request arrives (that request reads it, or declines and releases it, as vLLM's
+   notify-only message does), whichever comes first; a conversation's last handle until its TTL. One handle per
+   conversation at a time: with decode's prefix cache on, a continuation's next handle shares the old one's
+   blocks. The running requests' own KV is not counted. Without reverse reads nothing is retained.
+
+Not modelled: batching several requests into one prefill step, decode contention, read failures (a failed read
+recomputes: that would cost a read *and* a recompute).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ..policy import KVHandle, PolicyConfig, PromptDigests, block_digests, decide
+from .errors import PlannerError
+from .profile import GIB, CostProfile
+from .trace import Trace
+
+Mode = Literal["cache_miss", "local_cache", "reverse_read", "reverse_read+local_cache"]
+MODES: tuple[Mode, ...] = ("cache_miss", "local_cache", "reverse_read", "reverse_read+local_cache")
+BASELINES: tuple[Mode, ...] = ("cache_miss", "local_cache")
+Threshold = int | Literal["cost"]
+_TOKEN_HIGH = 1 << 31
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One turn's fixed facts: its prompt's digests, what decode holds after it, what it shares."""
+
+    prompt_tokens: int
+    output_tokens: int
+    gap_s: float
+    shared: int  # tokens the prompt shares with the previous turn's prompt + answer (0 on turn 1)
+    digests: PromptDigests
+    handle_tokens: int  # KV tokens decode holds after this turn (prompt + answer - 1)
+    handle_digests: tuple[bytes, ...]
+
+
+class PreparedTrace:
+    """Token ids and digests per turn, computed once for every mode and setting (seeded per conversation)."""
+
+    def __init__(self, trace: Trace, block_size: int, *, progress: bool = False) -> None:
+        self.trace = trace
+        self.block_size = block_size
+        self.turns: list[list[_Prepared]] = []
+        convs: Iterable[Any] = trace.conversations
+        if progress:
+            from tqdm import tqdm
+
+            convs = tqdm(convs, desc="digesting turns", unit="conv", leave=False)
+        for index, conv in enumerate(convs):
+            rng = np.random.default_rng(index)
+            prev: npt.NDArray[np.uint32] | None = None
+            prepared = []
+            for spec in conv.turns:
+                if prev is None:
+                    shared = 0
+                    prompt = _fresh(rng, spec.prompt_tokens)
+                else:
+                    limit = spec.edit_at if spec.edit_at is not None else spec.history_tokens
+                    shared = min(spec.history_tokens, len(prev), limit)
+                    prompt = np.concatenate([prev[:shared], _fresh(rng, spec.history_tokens - shared),
+                                             _fresh(rng, spec.new_tokens)])
+                seq = np.concatenate([prompt, _fresh(rng, spec.output_tokens)])
+                held = len(seq) - 1
+                handle_digests = tuple(block_digests(seq[:held], block_size)) if held > 0 else ()
+                prepared.append(_Prepared(spec.prompt_tokens, spec.output_tokens, spec.gap_s, shared,
+                                          PromptDigests.from_tokens(prompt, block_size), held, handle_digests))
+                prev = seq
+            self.turns.append(prepared)
+
+    def common_prefix(self, conv: int, older: int, newer: int) -> int:
+        """Tokens prompt ``newer`` shares with prompt ``older`` of one conversation (ids are never reused)."""
+        turns = self.turns[conv]
+        common = turns[older].prompt_tokens
+        for k in range(older + 1, newer + 1):
+            common = min(common, turns[k].shared)
+        return common
+
+
+def _fresh(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint32]:
+    return rng.integers(0, _TOKEN_HIGH, size=max(n, 0), dtype=np.uint32)
+
+
+class _PrefixCache:
+    """One prefill worker's prefix cache: per conversation the whole blocks of its latest prompt, LRU."""
+
+    def __init__(self, capacity_tokens: int, block_size: int) -> None:
+        self.capacity = capacity_tokens
+        self.block_size = block_size
+        self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()  # conv -> (tokens, turn)
+        self.total = 0
+
+    def hit(self, prepared: PreparedTrace, conv: int, turn: int) -> int:
+        entry = self.entries.get(conv)
+        if entry is None:
+            return 0
+        self.entries.move_to_end(conv)
+        tokens, older = entry
+        prompt = prepared.turns[conv][turn].prompt_tokens
+        common = min(tokens, prepared.common_prefix(conv, older, turn), prompt - 1)
+        return max(common, 0) // self.block_size * self.block_size
+
+    def store(self, conv: int, turn: int, prompt_tokens: int) -> None:
+        tokens = min(prompt_tokens // self.block_size * self.block_size, self.capacity)
+        old = self.entries.pop(conv, (0, 0))[0]
+        self.total += tokens - old
+        self.entries[conv] = (tokens, turn)
+        while self.total > self.capacity:
+            victim, (held, k) = next(iter(self.entries.items()))
+            cut = min(held, self.total - self.capacity)
+            cut = -(-cut // self.block_size) * self.block_size
+            self.total -= min(cut, held)
+            if held - cut <= 0:
+                del self.entries[victim]
+            else:
+                self.entries[victim] = (held - cut, k)
+                self.entries.move_to_end(victim, last=False)
+
+
+@dataclass
+class ModeRun:
+    """One simulation's per-turn records and retention intervals."""
+
+    mode: Mode
+    ttl_s: float
+    threshold: Threshold
+    prompt: list[int] = field(default_factory=list)
+    later: list[bool] = field(default_factory=list)  # a turn after the first of its conversation
+    ttft: list[float] = field(default_factory=list)
+    decode: list[float] = field(default_factory=list)
+    local: list[int] = field(default_factory=list)
+    fetched: list[int] = field(default_factory=list)
+    recomputed: list[int] = field(default_factory=list)
+    bytes_moved: list[float] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+    retained: list[tuple[float, float, float]] = field(default_factory=list)  # (start, stop, bytes)
+    turn_keys: list[tuple[int, int]] = field(default_factory=list)  # (conversation, turn) per record
+
+
+def policy_config(threshold: Threshold, profile: CostProfile, expiry_margin_s: float) -> PolicyConfig:
+    """The policy the connector would run: vLLM's ``kv_recompute_threshold`` semantics, or the cost model."""
+    if threshold == "cost":
+        return PolicyConfig(kind="cost", kv_bytes_per_token=profile.kv_bytes_per_token,
+                            bandwidth_bytes_per_s=profile.bandwidth_bytes_per_s,
+                            transfer_overhead_s=profile.transfer_overhead_s,
+                            prefill_tokens_per_s=profile.prefill_tokens_per_s, expiry_margin_s=expiry_margin_s)
+    return PolicyConfig.from_vllm_threshold(int(threshold), expiry_margin_s=expiry_margin_s)
+
+
+def _handle(turn: _Prepared, block_size: int, end: float, ttl_s: float, conv: int, k: int) -> KVHandle | None:
+    if turn.handle_tokens <= 0:
+        return None
+    return KVHandle(engine_id="decode-0", request_id=f"c{conv}t{k}", host="127.0.0.1", port=5600,
+                    block_ids=tuple(range(len(turn.handle_digests))), num_tokens=turn.handle_tokens,
+                    expiry_time=end + ttl_s, tp_size=1, handle_id=f"{conv:016x}{k:016x}", generation=1,
+                    block_size=block_size, digests=turn.handle_digests, issued_at=end, ttl_s=ttl_s)
+
+
+def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = 480.0,
+             threshold: Threshold = 64, expiry_margin_s: float = 5.0, prefill_workers: int = 1,
+             queue: bool = False, seed: int = 0) -> ModeRun:
+    """Replay ``prepared`` in one mode and setting (see the module docstring)."""
+    if mode not in MODES:
+        raise PlannerError(f"mode must be one of {MODES}, got {mode!r}")
+    if not (math.isfinite(ttl_s) and ttl_s >= 0) or prefill_workers < 1:
+        raise PlannerError(f"need a finite TTL >= 0 and prefill_workers >= 1, got {ttl_s!r}, {prefill_workers!r}")
+    if prepared.block_size != profile.block_size:
+        raise PlannerError(f"trace prepared for block size {prepared.block_size}, profile has {profile.block_size}")
+    reverse, local = mode.startswith("reverse_read"), mode.endswith("local_cache")
+    config = policy_config(threshold, profile, expiry_margin_s)
+    bs = profile.block_size
+    caches = [_PrefixCache(profile.prefill_cache_tokens, bs) for _ in range(prefill_workers)]
+    route = np.random.default_rng(seed)
+    free_at = [0.0] * prefill_workers
+    ends: dict[int, float] = {}
+    run = ModeRun(mode, ttl_s, threshold)
+    events = [(turns[0].gap_s, conv, 0) for conv, turns in enumerate(prepared.turns) if turns]
+    heapq.heapify(events)
+    while events:
+        arrival, conv, k = heapq.heappop(events)
+        turns = prepared.turns[conv]
+        turn = turns[k]
+        worker = int(route.integers(prefill_workers)) if prefill_workers > 1 else 0
+        local_tokens = caches[worker].hit(prepared, conv, k) if local and k else 0
+        fetched, blocks, reason = 0, 0, "first_turn" if k == 0 else "off"
+        if reverse and k:
+            handle = _handle(turns[k - 1], bs, ends[conv], ttl_s, conv, k - 1)
+            if handle is None:
+                reason = "no_handle"
+            else:
+                d = decide(turn.digests, local_hit_tokens=local_tokens, handle=handle, now_wall=arrival,
+                           config=config)
+                reason, local_tokens = d.reason.value, d.local_tokens
+                if d.fetch:
+                    fetched, blocks = d.fetch_tokens, len(d.fetch_blocks)
+        compute = turn.prompt_tokens - local_tokens - fetched
+        service = (profile.prefill_fixed_s + profile.transfer_s(blocks)
+                   + profile.compute_s(compute, local_tokens + fetched))
+        start = max(arrival, free_at[worker]) if queue else arrival
+        free_at[worker] = start + service
+        ttft = start - arrival + service
+        dec = profile.decode_s(turn.output_tokens)
+        end = arrival + ttft + dec
+        ends[conv] = end
+        if local:
+            caches[worker].store(conv, k, turn.prompt_tokens)
+        if reverse and turn.handle_tokens > 0:
+            hold = min(ttl_s, turns[k + 1].gap_s) if k + 1 < len(turns) else ttl_s
+            run.retained.append((end, end + hold, profile.block_bytes(-(-turn.handle_tokens // bs))))
+        if k + 1 < len(turns):
+            heapq.heappush(events, (end + turns[k + 1].gap_s, conv, k + 1))
+        run.prompt.append(turn.prompt_tokens)
+        run.later.append(k > 0)
+        run.ttft.append(ttft)
+        run.decode.append(dec)
+        run.local.append(local_tokens)
+        run.fetched.append(fetched)
+        run.recomputed.append(compute)
+        run.bytes_moved.append(profile.block_bytes(blocks))
+        run.reasons[reason] += 1
+        run.turn_keys.append((conv, k))
+    return run
+
+
+def retained_stats(intervals: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(peak GiB, GiB-seconds)`` of retention intervals ``(start, stop, bytes)``."""
+    if not intervals:
+        return 0.0, 0.0
+    events = sorted([(s, 1, b) for s, _, b in intervals] + [(e, 0, -b) for _, e, b in intervals])
+    level = peak = 0.0
+    for _, _, delta in events:  # at equal times releases (kind 0) come before retains
+        level += delta
+        peak = max(peak, level)
+    gib_s = sum((e - s) * b for s, e, b in intervals) / GIB
+    return peak / GIB, gib_s
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float)
+    if arr.size == 0:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
+
+
+def summarize(run: ModeRun) -> dict[str, Any]:
+    """The metrics of one run (times in seconds, memory in GiB)."""
+    later = np.asarray(run.later, dtype=bool)
+    fetched = np.asarray(run.fetched)
+    local = np.asarray(run.local)
+    n_later = int(later.sum())
+    peak, gib_s = retained_stats(run.retained)
+    turn = np.asarray(run.ttft) + np.asarray(run.decode)
+    return {
+        "mode": run.mode, "turns": len(run.ttft), "ttft_s": _stats(run.ttft), "turn_s": _stats(turn.tolist()),
+        "later_ttft_s": _stats(np.asarray(run.ttft)[later].tolist()),
+        "hit_rate": float((fetched[later] > 0).sum() / n_later) if n_later else 0.0,
+        "local_hit_rate": float((local[later] > 0).sum() / n_later) if n_later else 0.0,
+        "tokens_recomputed": int(np.sum(run.recomputed)), "tokens_fetched": int(fetched.sum()),
+        "tokens_local": int(local.sum()), "bytes_moved": float(np.sum(run.bytes_moved)),
+        "retained_peak_gib": peak, "retained_gib_s": gib_s, "reasons": dict(sorted(run.reasons.items())),
+    }
