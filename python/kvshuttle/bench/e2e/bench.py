@@ -20,7 +20,15 @@ Medians of ``--reps`` repetitions. Extra cases for both connectors (``--cases``)
 
 * ``edited``: a 2-turn conversation whose turn-2 prompt changes one history token (``--edit-position``);
 * ``short``: a conversation whose histories stay below the 64-token recompute threshold;
-* ``expired``: a pause past ``decoder_kv_blocks_ttl`` (``--ttl``, both connectors) before turn 2 (one rep).
+* ``expired``: a pause past ``decoder_kv_blocks_ttl`` (``--ttl``, both connectors) before turn 2 (one rep);
+* ``retried``: turn 2 reaches prefill twice with the same decode handle (a client or router retry after a lost
+  answer); the row is the retry. vLLM's handles are use-once; kvshuttle's decode keeps multi-read handles;
+* ``renewed``: the same pause past the TTL, but the conversation is still active: kvshuttle's router-side
+  ``renew_retention`` keeps the decode's blocks (kvshuttle only: vLLM's connector has no renewal, so its row
+  is ``expired``).
+
+``--kv-heavy`` uses a tiny Llama with 4x the KV per token (head dim 256: 128 KiB per token), where the transfer is
+a larger share of a turn.
 
 vLLM is imported only in the engine processes; this process needs it installed (the children run with this
 interpreter).
@@ -29,6 +37,7 @@ interpreter).
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import os
 import statistics
@@ -39,11 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from ..schema import envelope
-from .conversation import ConversationPlan, Turn, run_pd_conversation
+from .conversation import ConversationPlan, Turn, prefill_params_for, run_pd_conversation
 from .engines import VllmEngine, nixl_transfer_config, pd_pair, shuttle_transfer_config, start_all
 
 CONFIGS = ("recompute", "nixl", "kvshuttle")
-CASES = ("main", "edited", "short", "expired")
+CASES = ("main", "edited", "short", "retried", "renewed", "expired")
 TIMES = ("prefill_ttft", "decode_ttft", "decode", "turn")
 SHORT = {"first_tokens": 24, "next_tokens": 8}  # histories of 39 and 63 tokens: below a 64-token threshold
 Refs = dict[tuple[tuple[int, ...], int], dict[str, Any]]
@@ -53,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="512,1024,2048", help="first-turn prompt tokens, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (seeds) per length; medians reported")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of recompute,nixl,kvshuttle")
-    parser.add_argument("--cases", default=",".join(CASES), help="subset of main,edited,short,expired")
+    parser.add_argument("--cases", default=",".join(CASES), help="subset of " + ",".join(CASES))
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--next-tokens", type=int, default=64, help="new user tokens per later turn")
     parser.add_argument("--answer-tokens", type=int, default=16, help="tokens decode generates per turn")
@@ -64,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run recompute on the nixl pair (shared) or on its own non-bidirectional pair")
     parser.add_argument("--warmup-tokens", type=int, default=512, help="warm-up prompt each engine runs first")
     parser.add_argument("--model", default="", help="model directory (default: the tiny Llama, built if absent)")
+    parser.add_argument("--kv-heavy", action="store_true", help="the tiny Llama with head dim 256: 4x the KV per token")
     parser.add_argument("--log-dir", default="", help="engine logs (default: a new temporary directory)")
 
 
@@ -171,14 +181,46 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
             turns = run_pd_conversation(prefill, decode, plan)
             _attach_refs(prefill, turns, refs)
             out.add(config, "short", SHORT["first_tokens"], turns)
+    if "retried" in cases:
+        for rep in range(args.reps):
+            _retried(config, prefill, decode, args, min(lengths), rep, refs, out)
+    if "renewed" in cases and config == "kvshuttle":  # vLLM's connector cannot renew: its row is "expired"
+        _expired(config, prefill, decode, args, min(lengths), refs, out, renew=True)
     if "expired" in cases:  # last: the engine may not survive it
         _expired(config, prefill, decode, args, min(lengths), refs, out)
 
 
-def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argparse.Namespace, n: int,
+def _retried(config: str, prefill: VllmEngine, decode: VllmEngine, args: argparse.Namespace, n: int, rep: int,
              refs: Refs, out: _Collector) -> None:
-    plan = ConversationPlan(first_tokens=n, seed=300, turns=2, next_tokens=args.next_tokens,
+    plan = ConversationPlan(first_tokens=n, seed=400 + rep, turns=1, next_tokens=args.next_tokens,
                             answer_tokens=args.answer_tokens)
+    first = run_pd_conversation(prefill, decode, plan)[0]
+    prompt = first.prompt + first.answer + plan.user_tokens(2)
+    params = prefill_params_for(first.decode["kv_transfer_params"])
+    t0 = time.perf_counter()
+    try:
+        prefill.generate(prompt, 1, copy.deepcopy(params))  # the attempt whose answer the client never got
+        p_out = prefill.generate(prompt, 1, copy.deepcopy(params))
+        if not p_out.get("kv_transfer_params"):
+            raise RuntimeError(f"the retry's prefill returned no kv_transfer_params ({p_out.get('finish_reason')})")
+        d_out = decode.generate(prompt, plan.answer_tokens, copy.deepcopy(p_out["kv_transfer_params"]))
+    except Exception as exc:  # recorded: what a retry costs is the point of this case
+        out.error(config, "retried", n, 2, exc, time.perf_counter() - t0)
+        _log(f"{config} retried: {exc}")
+        return
+    turn = Turn(2, prompt, params, p_out, d_out)
+    _attach_refs(prefill, [turn], refs)
+    out.add(config, "retried", n, [turn])
+    _log(f"{config} retried {n} rep {rep}: {_sample(turn)}")
+
+
+def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argparse.Namespace, n: int,
+             refs: Refs, out: _Collector, *, renew: bool | None = None) -> None:
+    """A pause of the TTL + 2 s before turn 2; ``renew`` (the ``renewed`` case; None: ``expired``) keeps the
+    handle alive meanwhile with kvshuttle's renewal (False: the connector has none)."""
+    case = "expired" if renew is None else "renewed"
+    plan = ConversationPlan(first_tokens=n, seed=300 if renew is None else 500, turns=2,
+                            next_tokens=args.next_tokens, answer_tokens=args.answer_tokens)
 
     def pause(turns: list[Turn]) -> None:
         done = time.monotonic()
@@ -187,7 +229,14 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
         _reference(prefill, nxt, plan.answer_tokens, refs)
         decode.keep_stepping(0.5)  # a serving decode keeps stepping: sweeps run
         try:
-            time.sleep(max(0.0, done + args.ttl + 2.0 - time.monotonic()))
+            while (left := done + args.ttl + 2.0 - time.monotonic()) > 0:
+                if renew:  # what a router does for an active conversation; the params object is the
+                    # one turn 2 sends, so the renewed expiry travels with it
+                    from ...transfer import renew_retention
+
+                    params = turns[0].decode["kv_transfer_params"]
+                    params.update(renew_retention(params, ttl_s=args.ttl) or {})
+                time.sleep(min(left, args.ttl / 3))
         finally:
             decode.keep_stepping(None)
 
@@ -195,12 +244,12 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
     try:
         turns = run_pd_conversation(prefill, decode, plan, before_turn2=pause)
     except Exception as exc:  # recorded: what happens to an expired handle is the point of this case
-        out.error(config, "expired", n, 2, exc, time.perf_counter() - t0)
-        _log(f"{config} expired: {exc}")
+        out.error(config, case, n, 2, exc, time.perf_counter() - t0)
+        _log(f"{config} {case}: {exc}")
         return
     _attach_refs(prefill, turns, refs)
-    out.add(config, "expired", n, turns, only=(2,))
-    _log(f"{config} expired: {_sample(turns[1])}")
+    out.add(config, case, n, turns, only=(2,))
+    _log(f"{config} {case}: {_sample(turns[1])}")
 
 
 # ------------------------------------------------------------------------------------------------- the run
@@ -210,6 +259,8 @@ def _model(args: argparse.Namespace) -> str:
     from .tiny_model import build_tiny_llama
 
     root = Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
+    if args.kv_heavy:
+        return str(build_tiny_llama(root / "tiny-llama-kv-heavy", head_dim=256))
     return str(build_tiny_llama(root / "tiny-llama"))
 
 
@@ -265,9 +316,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prefill.close()
             decode.close()
     results = _rows(out, configs)
-    note = (f"medians of {args.reps} seeds per row (expired: 1); times from vLLM's request metrics: prefill TTFT "
-            "= first-token latency of the 1-token prefill request; decode = its request's wall time; turn = "
-            "both; reused = prefill's num_cached_tokens; match = decode's tokens equal a local recompute; "
+    note = (f"medians of {args.reps} seeds per row (expired, renewed: 1); times from vLLM's request metrics: "
+            "prefill TTFT = first-token latency of the 1-token prefill request; decode = its request's wall time; "
+            "turn = both; reused = prefill's num_cached_tokens; match = decode's tokens equal a local recompute; "
             f"recompute on {args.recompute_engines} engines; prefill on core 0, decode on core 1")
     return envelope("e2e", args, add_arguments, results, note=note, started=started,
                     summary=_summary(results, startup))

