@@ -1,6 +1,7 @@
 """Transfers of vLLM 0.32 caches between two real processes over NIXL (UCX, DRAM): the observed CPU geometry
 (fp32, 8 KV heads, head 64, block 32, CPU_ATTN, one allocation viewed per layer) on both sides, read direct
-(whole pages as descriptors) and packed, and packed reads across kinds (vllm_cpu_attn <-> flash_attn)."""
+(whole pages as descriptors) and packed; packed reads across kinds and block sizes (flash_attn <->
+vllm_flash_attn); CPU_ATTN blocks (K column-major inside) move only whole, and transforms of them are refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytest.importorskip("msgpack")
 from conftest import Geo
 from kvshuttle import LayoutError
 from kvshuttle.transfer import IncompatiblePeerError, TransferState
-from transfer_helpers import OwnerProcess, OwnerSpec, ReaderPool, build_cache
+from transfer_helpers import OwnerProcess, OwnerSpec, ReaderPool, block_bytes, build_cache
 
 CPU = Geo("vllm_cpu_attn", dtype="float32", num_layers=2, num_blocks=12, block_size=32, num_heads=8, head_size=64,
           layout="LBHNC")  # 128 KiB pages
@@ -119,13 +120,14 @@ def test_packed_read_is_byte_exact(owner, readers, name):
     assert reader.engine.stats()["staging_free"] == CONFIG["staging_chunks"]
 
 
+VFA = replace(CPU, kind="vllm_flash_attn", layout="BLNHC")
 ACROSS = [
     # (owner cache, reader geometry, local head offset, remote head offset, heads moved)
-    ("cpu", replace(CPU, kind="flash_attn", order="HND"), 0, 0, None),  # same sizes, another kind
-    ("cpu", replace(CPU, kind="flash_attn", order="NHD", block_size=16, num_blocks=24), 0, 0, None),
-    ("fa_hnd", CPU, 0, 0, None),
-    ("fa_hnd", replace(CPU, layout="BLHNC", num_heads=4), 0, 4, None),  # TP2 reader of a TP1 owner
-    ("vfa_blnhc", replace(CPU, block_size=64, num_blocks=6), 0, 0, None),
+    ("fa_hnd", VFA, 0, 0, None),  # same sizes, another kind
+    ("vfa_blnhc", replace(CPU, kind="flash_attn", order="NHD", block_size=16, num_blocks=24), 0, 0, None),
+    ("fa_hnd", replace(VFA, num_heads=4), 0, 4, None),  # TP2 reader of a TP1 owner
+    ("vfa_blnhc", replace(VFA, block_size=64, num_blocks=6), 0, 0, None),
+    ("cpu", replace(CPU, num_heads=4), 0, 4, None),  # CPU_ATTN head slice: whole (block, head) regions
 ]
 
 
@@ -145,6 +147,37 @@ def test_packed_read_across_kinds(owner, readers, case):
     assert tel.path == "packed"
     reader.check_tokens(source(name), lids, rids, tokens, local_head_offset=local_off,
                         remote_head_offset=remote_off, heads=heads)
+
+
+REFUSED = [
+    ("fa_hnd", CPU),  # another kind into CPU_ATTN
+    ("cpu", replace(CPU, kind="flash_attn", order="NHD", block_size=16, num_blocks=24)),  # CPU_ATTN out, re-chunked
+    ("cpu", replace(CPU, block_size=64, num_blocks=6)),  # CPU_ATTN to CPU_ATTN of another block size
+]
+
+
+@pytest.mark.parametrize("case", range(len(REFUSED)))
+def test_cpu_attn_blocks_are_never_transformed(owner, readers, case):
+    """vLLM's CPU kernels store K column-major inside a block: re-chunking or re-laying its token rows would
+    write wrong K (measured: a decode with 64-token blocks reading a prefill's 32-token blocks answered
+    differently from local recompute). Refused before anything moves."""
+    name, geo = REFUSED[case]
+    reader = readers.get(geo)
+    reader.poison()
+    with pytest.raises(IncompatiblePeerError, match="column-major"):
+        reader.engine.read(reader.peer(index(name)), list(range(128 // geo.block_size)),
+                           list(range(128 // OWNERS[name].block_size)), num_tokens=128, path="packed")
+    assert all((raw == 0xA5).all() for raw in reader.cache.raws)
+
+
+def test_cpu_attn_partial_last_block_moves_whole(owner, readers):
+    """A CPU_ATTN block's K columns interleave every token: the last, partial block is copied whole."""
+    reader = readers.get(CPU)
+    lids, rids = np.array([3, 7, 1]), np.array([9, 2, 5])
+    reader.poison()
+    handle = reader.engine.read(reader.peer(index("cpu")), lids, rids, num_tokens=2 * 32 + 5, path="packed")
+    handle.wait(30)
+    assert np.array_equal(block_bytes(reader.cache, lids), block_bytes(source("cpu"), rids))
 
 
 def test_nothing_left_after_reads(owner, readers):

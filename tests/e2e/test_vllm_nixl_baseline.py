@@ -58,6 +58,9 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+@pytest.mark.skipif(not os.environ.get("KVSHUTTLE_E2E_BASELINE"),
+                    reason="vLLM's own connector (the comparison baseline, also run by `kvshuttle bench e2e`): "
+                           "set KVSHUTTLE_E2E_BASELINE=1 to run it; CI keeps its e2e stage to kvshuttle's tests")
 def test_nixl_bidirectional_matches_local(model_dir: str, tmp_path: Path) -> None:
     from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
     from kvshuttle.bench.e2e.engines import nixl_transfer_config, pd_pair, start_all

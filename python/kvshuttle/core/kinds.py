@@ -10,10 +10,14 @@ kind                per-layer tensor         K and V
 ``flash_attn``      ``[2, N, B, H, D]``      two regions (vLLM before 0.32)
 ``flashinfer``      ``[N, 2, B, H, D]``      K piece then V piece inside each block (vLLM before 0.32)
 ``mla``             ``[N, B, D]``            one latent plane, no heads
-``vllm_cpu_attn``   ``[N, H, B, 2D]``        vLLM 0.32 CPU_ATTN: per (block, head), B rows of K then B of V
+``vllm_cpu_attn``   ``[N, H, B, 2D]``        vLLM 0.32 CPU_ATTN: per (block, head), a K region then a V region
 ``vllm_flash_attn`` ``[N, H, B, 2D]``        vLLM 0.32 FLASH_ATTN: per (block, head, token), D of K, D of V
 ``vllm_flashinfer`` ``[N, H, B, 2D]``        vLLM 0.32 FLASHINFER (not NVFP4): the same bytes as FLASH_ATTN
 =================== ======================== =============================================================
+
+CPU_ATTN's K region is column-major (``[D, B]``: vLLM's CPU kernels write K transposed for their vector
+loads) while V is row-major: the canonical rows below describe where each region lies, not what a K row holds,
+so such caches only move as whole blocks of one size between CPU_ATTN caches (``CacheKind.whole_blocks_only``).
 
 vLLM 0.32 names the per-layer view ``[B, H, N, C]`` (blocks, heads, tokens, content); its strides follow the
 ``KVCacheLayout`` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC), and the token order is read from them.
@@ -44,6 +48,13 @@ class CacheKind(str, enum.Enum):
     def planes(self) -> int:
         """Planes per layer: K and V, or the one MLA latent."""
         return 1 if self is CacheKind.MLA else 2
+
+    @property
+    def whole_blocks_only(self) -> bool:
+        """Whether a block's bytes are opaque per (block, head): vLLM's CPU attention stores K column-major
+        inside a block ([head_size, block_size], ISA-specific), so token rows are not K rows. Such caches move
+        byte-exactly only as whole blocks of the same size between caches of the same kind."""
+        return self is CacheKind.VLLM_CPU_ATTN
 
     @property
     def is_vllm_view(self) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.blocks import blocks_hold_tokens, check_ids
-from ..core.layout import StagingLayout
+from ..core.layout import CacheGeometry, StagingLayout
 from ..core.plan import ReadPlan, plan_read
 from ..errors import BlockIdError, StagingError, shown
 from ..policy.kv_handle import KVHandle
@@ -206,6 +206,8 @@ class ReaderRole(Endpoint):
         wait = _timeout_arg(timeout, self.config.transfer_timeout_s)
         lids, rids, tokens = self._check_read_ids(peer, local_ids, remote_ids, num_tokens)
         g, rc = self.cache.geometry, peer.info.cache
+        if g.kind.whole_blocks_only or rc.kind.whole_blocks_only:
+            tokens = self._whole_blocks(g, rc, lids)
         heads = min(g.num_heads, rc.num_heads) if num_heads is None else _int_arg("num_heads", num_heads, 1, lids)
         local_offset = _int_arg("local_head_offset", local_head_offset, 0, lids)
         remote_offset = _int_arg("remote_head_offset", remote_head_offset, 0, lids)
@@ -271,6 +273,16 @@ class ReaderRole(Endpoint):
                 raise BlockRangeError(f"{ids.size} {side} blocks of {bs} tokens cannot hold exactly {tokens} "
                                       "tokens; pass one block per started block of tokens on each side", lids)
         return lids, rids, tokens
+
+    @staticmethod
+    def _whole_blocks(g: CacheGeometry, rc: CacheGeometry, lids: npt.NDArray[np.int64]) -> int:
+        """CPU_ATTN blocks are opaque (K column-major inside): move whole blocks, same size and kind, or refuse."""
+        if g.kind is not rc.kind or g.block_size != rc.block_size:
+            raise IncompatiblePeerError(
+                f"vLLM's CPU attention stores K column-major inside each block, so its blocks move only whole, "
+                f"between caches of the same kind and block size; local {g.kind.value} blocks of {g.block_size}, "
+                f"remote {rc.kind.value} blocks of {rc.block_size}", lids)
+        return int(lids.size) * g.block_size  # a partial last block moves whole: its K columns are interleaved
 
     def _choose_path(self, peer: Peer, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64], path: Path,
                      difference: str | None) -> tuple[str, str, ReadPlan | None]:

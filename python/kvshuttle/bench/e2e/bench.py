@@ -27,6 +27,7 @@ Medians of ``--reps`` repetitions. Extra cases for both connectors (``--cases``)
   ``renew_retention`` keeps the decode's blocks (kvshuttle only: vLLM's connector has no renewal, so its row
   is ``expired``).
 
+``--decode-block-size 64`` gives decode bigger blocks than prefill's 32 (kvshuttle re-chunks on the packed path).
 ``--kv-heavy`` uses a tiny Llama with 4x the KV per token (head dim 256: 128 KiB per token), where the transfer is
 a larger share of a turn.
 
@@ -73,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run recompute on the nixl pair (shared) or on its own non-bidirectional pair")
     parser.add_argument("--warmup-tokens", type=int, default=512, help="warm-up prompt each engine runs first")
     parser.add_argument("--model", default="", help="model directory (default: the tiny Llama, built if absent)")
+    parser.add_argument("--decode-block-size", type=int, default=None,
+                        help="decode's block size (prefill's is 32): a deployment whose engines differ")
     parser.add_argument("--kv-heavy", action="store_true", help="the tiny Llama with head dim 256: 4x the KV per token")
     parser.add_argument("--log-dir", default="", help="engine logs (default: a new temporary directory)")
 
@@ -83,7 +86,8 @@ def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tup
     extra = {"kv_recompute_threshold": args.threshold, "decoder_kv_blocks_ttl": args.ttl}
     config = (shuttle_transfer_config(**extra) if kind == "kvshuttle"
               else nixl_transfer_config(bidirectional=kind == "nixl", **extra))
-    return pd_pair(model, config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens)
+    return pd_pair(model, config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens,
+                   decode_block_size=args.decode_block_size)
 
 
 def _drain_and_reset(decode: VllmEngine, ttl: float) -> bool:
@@ -159,7 +163,13 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
     for rep in range(args.reps if "main" in cases else 0):
         for n in lengths:
             plan = ConversationPlan(first_tokens=n, seed=rep, **base)
-            turns = run_pd_conversation(prefill, decode, plan, reuse_decode_params=config != "recompute")
+            t0 = time.perf_counter()
+            try:
+                turns = run_pd_conversation(prefill, decode, plan, reuse_decode_params=config != "recompute")
+            except Exception as exc:  # recorded (e.g. vLLM's connector with differing block sizes), then on
+                out.error(config, "main", n, 2, exc, time.perf_counter() - t0)
+                _log(f"{config} main {n} rep {rep}: {exc}")
+                continue
             _attach_refs(prefill, turns, refs)
             out.add(config, "main", n, turns)
             _log(f"{config} main {n} rep {rep}: " + ", ".join(

@@ -113,10 +113,11 @@ def shuttle_transfer_config(*, bidirectional: bool = True, **extra: Any) -> dict
 
 
 def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str, Any], log_dir: Path, *,
-            name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0
-            ) -> tuple[VllmEngine, VllmEngine]:
+            name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0,
+            decode_block_size: int | None = None) -> tuple[VllmEngine, VllmEngine]:
     """A prefill (prefix cache off, core 0) and a decode engine (prefix cache on, core 1), not started yet
-    (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600)."""
+    (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600).
+    ``decode_block_size``: the decode's block size when it differs from prefill's 32."""
     engines = []
     for role, config, cores in (("prefill", prefill_config, (0,)),
                                 ("decode", decode_config, (1 % (os.cpu_count() or 1),))):
@@ -124,6 +125,7 @@ def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str,
         label = f"{name}-{role}" if name else role
         engines.append(VllmEngine(EngineSpec(
             model=model, name=label, kv_transfer_config=config, enable_prefix_caching=role == "decode",
+            block_size=(decode_block_size or 32) if role == "decode" else 32,
             side_channel_port=port, cpu_cores=cores, warmup_tokens=warmup_tokens, startup_timeout_s=420.0,
             request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log")), start=False))
     return engines[0], engines[1]
