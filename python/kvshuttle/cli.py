@@ -15,6 +15,7 @@ BENCHES = {
     "policy": "kvshuttle.bench.policy",
     "retention": "kvshuttle.bench.retention",
     "e2e": "kvshuttle.bench.e2e.bench",
+    "router": "kvshuttle.bench.router",
 }
 
 
@@ -26,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     from .demo import run as demo_module
 
     demo_module.add_arguments(demo)
+    try:  # the router extra (aiohttp, redis, prometheus-client) may not be installed
+        from .router import main as router_module
+    except ImportError:
+        router_module = None  # type: ignore[assignment]
+    if router_module is not None:
+        router = commands.add_parser("router", help="multi-turn router: carries decode handles between turns")
+        router_module.add_arguments(router)
     plan = commands.add_parser("plan", help="what-if planner: does reading KV back from decode pay for a workload")
     from .planner import cli as plan_module
 
@@ -54,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .planner import cli as plan_module
 
         return plan_module.main(args)
+    if args.command == "router":
+        from .router import main as router_module
+
+        return router_module.main(args)
     if args.command == "info":
         from . import build_info
 

@@ -1,0 +1,79 @@
+"""Backend choice and health: round-robin or least-loaded over the healthy backends of one role.
+
+A backend is marked down by a failed request (at once) or a failed health check, and up again by a passing
+health check (``GET /health``, what vLLM's server answers). When every backend of a role is down the router
+still tries them all (a health check may lag a recovery): a request is refused only when all have failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+
+import aiohttp
+
+from .config import BackendSpec, Balance
+
+log = logging.getLogger("kvshuttle.router")
+
+
+class Backend:
+    """One vLLM server of a role, with its liveness and the requests in flight to it."""
+
+    __slots__ = ("healthy", "in_flight", "role", "spec")
+
+    def __init__(self, spec: BackendSpec, role: str) -> None:
+        self.spec, self.role = spec, role
+        self.healthy = True  # optimistic until a request or a health check says otherwise
+        self.in_flight = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def __repr__(self) -> str:
+        return f"Backend({self.role} {self.name}, {'up' if self.healthy else 'down'}, {self.in_flight} in flight)"
+
+
+class BackendPool:
+    def __init__(self, specs: Sequence[BackendSpec], role: str, balance: Balance = "round_robin") -> None:
+        self.backends = [Backend(s, role) for s in specs]
+        self.role, self.balance = role, balance
+        self._turn = itertools.count()
+
+    def choose(self, exclude: frozenset[str] = frozenset()) -> Backend | None:
+        """The next backend to try, healthy ones first; None when every backend is excluded (tried)."""
+        candidates = [b for b in self.backends if b.name not in exclude]
+        if not candidates:
+            return None
+        healthy = [b for b in candidates if b.healthy] or candidates
+        start = next(self._turn) % len(healthy)
+        ordered = healthy[start:] + healthy[:start]
+        if self.balance == "least_loaded":  # stable sort: ties keep round-robin order
+            return min(ordered, key=lambda b: b.in_flight)
+        return ordered[0]
+
+    def mark(self, backend: Backend, healthy: bool, why: str = "") -> None:
+        if backend.healthy != healthy:
+            log.warning("router: %s backend %s is %s%s", backend.role, backend.name, "up" if healthy else "down",
+                        f" ({why})" if why else "")
+        backend.healthy = healthy
+
+    async def check(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        """One health check of every backend, concurrently."""
+        async def one(backend: Backend) -> None:
+            try:
+                async with session.get(backend.url + "/health",
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    ok, why = resp.status == 200, f"/health answered {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                ok, why = False, f"/health failed: {type(exc).__name__}"
+            self.mark(backend, ok, why)
+
+        await asyncio.gather(*(one(b) for b in self.backends))

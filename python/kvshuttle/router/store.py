@@ -1,0 +1,296 @@
+"""Where the router keeps each conversation's decode handle between turns.
+
+* :class:`MemoryStore` (default): one process. TTL per entry, bounded size with least-recently-used eviction,
+  and a sweeper task that drops expired entries on a timer (not only when traffic touches them).
+* :class:`RedisStore`: several router replicas share conversations, and conversations survive a restart.
+  A use-once take is one MULTI/EXEC of GETDEL + ZREM (atomic: of two replicas taking at once, exactly one gets
+  the handle); multi-read keeps the entry. A sorted set indexes entries by expiry: live count and sweeping
+  (which counts expirations) are O(log n), shared by every replica.
+
+Expiry times are wall-clock seconds (``time.time``), the one clock replicas share. Store failures raise
+:class:`StoreError`; the router then serves the turn without a handle (recompute). After a Redis failure the
+store is skipped for ``backoff_s`` so a dead or blackholed Redis costs a request nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+from .errors import StoreError
+
+log = logging.getLogger("kvshuttle.router")
+
+Status = Literal["hit", "miss", "expired", "foreign"]
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class StoredHandle:
+    """A conversation's decode handle: who it belongs to, where it lives, until when it may be used."""
+
+    tenant: str
+    conversation: str
+    params: dict[str, Any]  # the decode's kv_transfer_params, validated
+    decode: str  # the backend that issued it (name)
+    kv_address: str | None  # that decode's side channel (release / renew), kvshuttle only
+    expires_at: float  # wall clock
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StoredHandle:
+        data = json.loads(text)
+        return cls(str(data["tenant"]), str(data["conversation"]), dict(data["params"]), str(data["decode"]),
+                   data["kv_address"], float(data["expires_at"]))
+
+
+@dataclass(frozen=True)
+class Lookup:
+    status: Status
+    entry: StoredHandle | None = None  # set on a hit only
+
+
+def checked(entry: StoredHandle | None, tenant: str, conversation: str, now: float) -> Lookup:
+    """A hit only for the same tenant and conversation (defence in depth behind the hashed key) and in time."""
+    if entry is None:
+        return Lookup("miss")
+    if entry.tenant != tenant or entry.conversation != conversation:
+        return Lookup("foreign")
+    if entry.expires_at <= now:
+        return Lookup("expired")
+    return Lookup("hit", entry)
+
+
+class HandleStore(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def put(self, key: str, entry: StoredHandle) -> None: ...
+
+    async def take(self, key: str, tenant: str, conversation: str) -> Lookup:
+        """Remove and return (use-once)."""
+
+    async def get(self, key: str, tenant: str, conversation: str) -> Lookup:
+        """Return and keep (multi-read)."""
+
+    async def delete(self, key: str) -> StoredHandle | None: ...
+
+    async def live(self) -> int: ...
+
+    async def sweep(self) -> int:
+        """Drop expired entries; how many."""
+
+
+class MemoryStore:
+    """In-process store; see the module docstring. ``on_expire(n)`` counts expirations (metrics)."""
+
+    def __init__(self, max_entries: int = 100_000, sweep_interval_s: float = 5.0, clock: Clock = time.time,
+                 on_expire: Callable[[int], None] | None = None,
+                 on_evict: Callable[[int], None] | None = None) -> None:
+        self.max_entries, self.sweep_interval_s, self._clock = max_entries, sweep_interval_s, clock
+        self._on_expire, self._on_evict = on_expire, on_evict
+        self._entries: OrderedDict[str, tuple[int, StoredHandle]] = OrderedDict()
+        self._expiry: list[tuple[float, int, str]] = []  # (expires_at, version, key): lazily deleted heap
+        self._versions = itertools.count()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+
+    async def put(self, key: str, entry: StoredHandle) -> None:
+        version = next(self._versions)
+        self._entries.pop(key, None)
+        self._entries[key] = (version, entry)
+        heapq.heappush(self._expiry, (entry.expires_at, version, key))
+        evicted = 0
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)  # least recently used; its heap item dies lazily
+            evicted += 1
+        if evicted and self._on_evict:
+            self._on_evict(evicted)
+        if len(self._expiry) > 2 * len(self._entries) + 1024:  # taken entries left stale heap items: rebuild
+            self._expiry = [(e.expires_at, v, k) for k, (v, e) in self._entries.items()]
+            heapq.heapify(self._expiry)
+
+    async def take(self, key: str, tenant: str, conversation: str) -> Lookup:
+        item = self._entries.get(key)
+        result = checked(item[1] if item else None, tenant, conversation, self._clock())
+        if result.status in ("hit", "expired"):
+            del self._entries[key]
+            if result.status == "expired" and self._on_expire:
+                self._on_expire(1)
+        return result
+
+    async def get(self, key: str, tenant: str, conversation: str) -> Lookup:
+        item = self._entries.get(key)
+        result = checked(item[1] if item else None, tenant, conversation, self._clock())
+        if result.status == "hit":
+            self._entries.move_to_end(key)
+        elif result.status == "expired":
+            del self._entries[key]
+            if self._on_expire:
+                self._on_expire(1)
+        return result
+
+    async def delete(self, key: str) -> StoredHandle | None:
+        item = self._entries.pop(key, None)
+        return item[1] if item else None
+
+    async def live(self) -> int:
+        return len(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def sweep(self) -> int:
+        now, expired = self._clock(), 0
+        while self._expiry and self._expiry[0][0] <= now:
+            _, version, key = heapq.heappop(self._expiry)
+            item = self._entries.get(key)
+            if item is not None and item[0] == version:
+                del self._entries[key]
+                expired += 1
+        if expired and self._on_expire:
+            self._on_expire(expired)
+        return expired
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            await self.sweep()
+
+
+class RedisStore:
+    """Shared store on Redis (redis.asyncio); see the module docstring."""
+
+    GRACE_S = 60.0  # keys outlive their expiry a little, so a late take is counted as expired, not a miss
+    TRIP_AFTER = 3  # consecutive failures that make the store skip Redis for backoff_s
+
+    def __init__(self, url: str, prefix: str = "kvshuttle:router:", sweep_interval_s: float = 5.0,
+                 timeout_s: float = 2.0, backoff_s: float = 1.0, clock: Clock = time.time,
+                 on_expire: Callable[[int], None] | None = None) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                              retry_on_timeout=False)
+        self.url, self.prefix, self.sweep_interval_s = url, prefix, sweep_interval_s
+        self.backoff_s, self._clock, self._on_expire = backoff_s, clock, on_expire
+        self._index = prefix + "expiry"
+        self._down_until = 0.0
+        self._failures = 0
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        await self._redis.aclose()
+
+    def _key(self, key: str) -> str:
+        return self.prefix + "h:" + key
+
+    async def _run(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run one Redis exchange; StoreError on any failure, and skip Redis for ``backoff_s`` after one."""
+        from redis.exceptions import RedisError
+
+        if time.monotonic() < self._down_until:
+            raise StoreError(f"redis at {self.url} failed repeatedly; skipping it for {self.backoff_s:g} s")
+        try:
+            result = await call()
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failures += 1
+            if self._failures >= self.TRIP_AFTER:  # one slow answer is not an outage
+                self._down_until = time.monotonic() + self.backoff_s
+            raise StoreError(f"redis {what} failed: {type(exc).__name__}: {exc}") from exc
+        self._failures = 0
+        return result
+
+    async def put(self, key: str, entry: StoredHandle) -> None:
+        ttl_ms = max(1, int((entry.expires_at - self._clock() + self.GRACE_S) * 1000))
+
+        async def call() -> Any:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._key(key), entry.to_json(), px=ttl_ms)
+                pipe.zadd(self._index, {key: entry.expires_at})
+                return await pipe.execute()
+
+        await self._run("put", call)
+
+    async def _getdel(self, key: str) -> tuple[bytes | None, bool]:
+        """The value (removed) and whether it was still indexed (not yet counted by a sweep)."""
+        async def call() -> Any:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.getdel(self._key(key))
+                pipe.zrem(self._index, key)
+                return await pipe.execute()
+
+        value, indexed = await self._run("take", call)
+        return value, bool(indexed)
+
+    async def take(self, key: str, tenant: str, conversation: str) -> Lookup:
+        raw, indexed = await self._getdel(key)
+        result = checked(self._decode(raw), tenant, conversation, self._clock())
+        if result.status == "foreign" and raw is not None:  # not ours to consume: put it back as it was
+            await self.put(key, StoredHandle.from_json(raw))
+        if result.status == "expired" and indexed and self._on_expire:
+            self._on_expire(1)
+        return result
+
+    async def get(self, key: str, tenant: str, conversation: str) -> Lookup:
+        raw = await self._run("get", lambda: self._redis.get(self._key(key)))
+        return checked(self._decode(raw), tenant, conversation, self._clock())
+
+    async def delete(self, key: str) -> StoredHandle | None:
+        return self._decode((await self._getdel(key))[0])
+
+    async def live(self) -> int:
+        now = self._clock()
+        count: int = await self._run("count", lambda: self._redis.zcount(self._index, f"({now}", "+inf"))
+        return count
+
+    async def sweep(self) -> int:
+        now = self._clock()
+        expired: int = await self._run("sweep", lambda: self._redis.zremrangebyscore(self._index, "-inf", now))
+        if expired and self._on_expire:
+            self._on_expire(expired)
+        return expired
+
+    def _decode(self, raw: Any) -> StoredHandle | None:
+        if raw is None:
+            return None
+        try:
+            return StoredHandle.from_json(raw)
+        except (ValueError, KeyError, TypeError) as exc:  # a foreign or corrupted value: never forwarded
+            log.warning("router store: dropping an unreadable entry: %s", exc)
+            return None
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            try:
+                await self.sweep()
+            except StoreError as exc:
+                log.debug("router store: sweep skipped: %s", exc)
