@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_vllm_nixl_baseline import _tail, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from test_vllm_nixl_baseline import _tail, engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -32,7 +32,7 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
     prefill, decode = pd_pair(model_dir, config, config, tmp_path)
     plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16)
     groups: list[int] = []
-    try:
+    with engines_closed(tmp_path, [prefill, decode]):
         start_all(prefill, decode)
         groups = [prefill.pgid, decode.pgid]
         turns = run_pd_conversation(prefill, decode, plan)
@@ -44,12 +44,6 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
         edited_prefill = prefill.generate(edited, 1, handle)
         edited_decode = decode.generate(edited, plan.answer_tokens, edited_prefill["kv_transfer_params"])
         edited_local = prefill.generate(edited, plan.answer_tokens, None)
-    except Exception:
-        print("prefill log:\n" + _tail(tmp_path / "prefill.log") + "\ndecode log:\n" + _tail(tmp_path / "decode.log"))
-        raise
-    finally:
-        prefill.close()
-        decode.close()
     print("prefill log:\n" + _tail(tmp_path / "prefill.log", 20))
     print("decode log:\n" + _tail(tmp_path / "decode.log", 20))
     for t in turns:

@@ -17,11 +17,14 @@ source on the path (its native module built in place) and pytest installed there
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +54,21 @@ def model_dir() -> str:
     return str(build_tiny_llama(root / "tiny-llama"))
 
 
+@contextlib.contextmanager
+def engines_closed(log_dir: Path, engines: list[Any]) -> Iterator[None]:
+    """Close every engine in ``engines`` (it may grow inside the block) whatever happens; on a failure print the
+    tail of each ``<name>.log`` under ``log_dir`` first."""
+    try:
+        yield
+    except Exception:
+        for path in sorted(log_dir.glob("*.log")):
+            print(f"{path.name}:\n{_tail(path)}")
+        raise
+    finally:
+        for engine in engines:
+            engine.close()
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -70,17 +88,11 @@ def test_nixl_bidirectional_matches_local(model_dir: str, tmp_path: Path) -> Non
     prefill, decode = pd_pair(model_dir, config, config, tmp_path, warmup_tokens=768)
     plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16)
     groups: list[int] = []
-    try:
+    with engines_closed(tmp_path, [prefill, decode]):
         start_all(prefill, decode)
         groups = [prefill.pgid, decode.pgid]
         turns = run_pd_conversation(prefill, decode, plan)
         run_local_conversation(prefill, turns)
-    except Exception:
-        print("prefill log:\n" + _tail(tmp_path / "prefill.log") + "\ndecode log:\n" + _tail(tmp_path / "decode.log"))
-        raise
-    finally:
-        prefill.close()
-        decode.close()
 
     for t in turns:
         print(t.summary(), t.notes)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_nixl_baseline import _tail, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from test_vllm_nixl_baseline import engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -57,7 +57,7 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
     decode_config = shuttle_transfer_config(decoder_kv_blocks_ttl=TTL_S,
                                             kvshuttle_retention_budget_blocks=BUDGET_BLOCKS)
     prefill, decode = pd_pair(model_dir, shuttle_transfer_config(), decode_config, tmp_path)
-    replacement: VllmEngine | None = None
+    engines = [prefill, decode]
     seen: dict[str, Any] = {}
 
     def turn(prompt: list[int], handle: dict[str, Any] | None, decoder: Any = None, **extra: Any
@@ -69,7 +69,7 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
     def user(seed: int, n: int) -> list[int]:
         return random_prompt(n, vocab=4096, seed=seed)
 
-    try:
+    with engines_closed(tmp_path, engines):
         start_all(prefill, decode)
         start = decode.kv_usage()
         seen["start"] = start
@@ -117,21 +117,13 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
         decode.close()
         e2 = e1 + e_dec["token_ids"] + user(9, NEXT)
         e_pre = prefill.generate(e2, 1, prefill_params_for(e_params))
-        replacement = VllmEngine(decode.spec)  # a new decode on the same settings
-        e_new = replacement.generate(e2, ANSWER, e_pre["kv_transfer_params"])
+        engines.append(VllmEngine(decode.spec))  # a replacement decode on the same settings
+        e_new = engines[-1].generate(e2, ANSWER, e_pre["kv_transfer_params"])
         seen["e2"] = (e_pre, e_new)
 
         # -- the reference: one engine, the same prompts, no transfers ----------------------------------------
         seen["local"] = {name: prefill.generate(p, ANSWER, None)["token_ids"]
                          for name, p in (("a2", a2), ("c2", c2), ("d2", d2), ("e2", e2))}
-    except Exception:
-        print("prefill log:\n" + _tail(tmp_path / "prefill.log") + "\ndecode log:\n" + _tail(tmp_path / "decode.log"))
-        raise
-    finally:
-        prefill.close()
-        decode.close()
-        if replacement is not None:
-            replacement.close()
     print({k: v for k, v in seen.items() if k in ("start", "held_a", "after_ttl", "ttl_wait_s", "held_b",
                                                    "after_release", "release_wait_s", "held_cd")})
     usage0 = seen["start"]["kv_cache_usage_perc"]

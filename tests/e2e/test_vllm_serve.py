@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_nixl_baseline import _tail, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from test_vllm_nixl_baseline import engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,7 +46,7 @@ def test_vllm_serve_pair_speaks_the_multi_turn_proxy_protocol(model_dir: str, tm
     from kvshuttle.bench.e2e.tiny_model import random_prompt
 
     prefill, decode = serve_pair(model_dir, shuttle_transfer_config(), shuttle_transfer_config(), tmp_path)
-    try:
+    with engines_closed(tmp_path, [prefill, decode]):
         prompt1 = random_prompt(FIRST, seed=11)
         p1 = complete(prefill, prompt1, 1, dict(FIRST_TURN_PARAMS))
         d1 = complete(decode, prompt1, ANSWER, p1["kv_transfer_params"])
@@ -60,12 +60,6 @@ def test_vllm_serve_pair_speaks_the_multi_turn_proxy_protocol(model_dir: str, tm
         chat = post(prefill.url + "/v1/chat/completions", {
             "model": "tiny", "max_tokens": 4, "temperature": 0.0,
             "messages": [{"role": "user", "content": "hello there"}]})
-    except Exception:
-        print("prefill log:\n" + _tail(tmp_path / "prefill.log") + "\ndecode log:\n" + _tail(tmp_path / "decode.log"))
-        raise
-    finally:
-        prefill.close()
-        decode.close()
 
     assert p1["kv_transfer_params"]["do_remote_prefill"] is True
     assert d1["kv_transfer_params"]["do_remote_decode"] is True

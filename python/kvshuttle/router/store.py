@@ -92,18 +92,13 @@ class HandleStore(Protocol):
         """Drop expired entries; how many."""
 
 
-class MemoryStore:
-    """In-process store; see the module docstring. ``on_expire(n)`` counts expirations (metrics)."""
+class _Swept:
+    """A store whose expired entries a background task sweeps on a timer (``_sweep_forever``), not on traffic."""
 
-    def __init__(self, max_entries: int = 100_000, sweep_interval_s: float = 5.0, clock: Clock = time.time,
-                 on_expire: Callable[[int], None] | None = None,
-                 on_evict: Callable[[int], None] | None = None) -> None:
-        self.max_entries, self.sweep_interval_s, self._clock = max_entries, sweep_interval_s, clock
-        self._on_expire, self._on_evict = on_expire, on_evict
-        self._entries: OrderedDict[str, tuple[int, StoredHandle]] = OrderedDict()
-        self._expiry: list[tuple[float, int, str]] = []  # (expires_at, version, key): lazily deleted heap
-        self._versions = itertools.count()
-        self._sweeper: asyncio.Task[None] | None = None
+    _sweeper: asyncio.Task[None] | None = None
+
+    async def _sweep_forever(self) -> None:
+        raise NotImplementedError
 
     async def start(self) -> None:
         if self._sweeper is None:
@@ -114,6 +109,19 @@ class MemoryStore:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
+
+
+class MemoryStore(_Swept):
+    """In-process store; see the module docstring. ``on_expire(n)`` counts expirations (metrics)."""
+
+    def __init__(self, max_entries: int = 100_000, sweep_interval_s: float = 5.0, clock: Clock = time.time,
+                 on_expire: Callable[[int], None] | None = None,
+                 on_evict: Callable[[int], None] | None = None) -> None:
+        self.max_entries, self.sweep_interval_s, self._clock = max_entries, sweep_interval_s, clock
+        self._on_expire, self._on_evict = on_expire, on_evict
+        self._entries: OrderedDict[str, tuple[int, StoredHandle]] = OrderedDict()
+        self._expiry: list[tuple[float, int, str]] = []  # (expires_at, version, key): lazily deleted heap
+        self._versions = itertools.count()
 
     async def put(self, key: str, entry: StoredHandle) -> None:
         version = next(self._versions)
@@ -178,7 +186,7 @@ class MemoryStore:
             await self.sweep()
 
 
-class RedisStore:
+class RedisStore(_Swept):
     """Shared store on Redis (redis.asyncio); see the module docstring."""
 
     GRACE_S = 60.0  # keys outlive their expiry a little, so a late take is counted as expired, not a miss
@@ -196,17 +204,9 @@ class RedisStore:
         self._index = prefix + "expiry"
         self._down_until = 0.0
         self._failures = 0
-        self._sweeper: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-            self._sweeper = None
+        await super().close()
         await self._redis.aclose()
 
     def _key(self, key: str) -> str:

@@ -29,7 +29,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 _CHILD = Path(__file__).with_name("_child.py")
 
@@ -190,6 +190,15 @@ def kill_group(pgid: int, grace_s: float = 5.0) -> None:
             time.sleep(0.1)
 
 
+def reap(proc: subprocess.Popen[bytes], finalizer: weakref.finalize[Any, Any] | None, grace_s: float) -> None:
+    """Kill ``proc``'s process group (it leads its own session), wait for it, drop its exit-time finalizer."""
+    kill_group(proc.pid, grace_s)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
+    if finalizer is not None:
+        finalizer.detach()
+
+
 class VllmEngine:
     """A running engine. Use as a context manager, or call :meth:`close` in ``finally``."""
 
@@ -285,11 +294,7 @@ class VllmEngine:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        kill_group(self.proc.pid, grace_s)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5.0)
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        reap(self.proc, self._finalizer, grace_s)
         self.proc = None
 
     def __enter__(self) -> VllmEngine:
@@ -359,7 +364,17 @@ class VllmEngine:
         return f" (log: {self.spec.log_path})" if self.spec.log_path else ""
 
 
-def start_all(*engines: VllmEngine) -> None:
+class Startable(Protocol):
+    """An engine started in two steps (``VllmEngine``, ``serve.ServedEngine``)."""
+
+    def launch(self) -> Any: ...
+
+    def wait_ready(self) -> Any: ...
+
+    def close(self, grace_s: float = 5.0) -> None: ...
+
+
+def start_all(*engines: Startable) -> None:
     """Launch every engine, then wait for each (start-ups overlap); on any failure close them all and raise."""
     try:
         for e in engines:

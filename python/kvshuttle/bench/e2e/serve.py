@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engines import BASE_ENV, EngineError, free_port, kill_group, pin_group
+from .engines import BASE_ENV, EngineError, free_port, kill_group, pin_group, reap, start_all
 
 
 @dataclass
@@ -121,11 +121,7 @@ class ServedEngine:
     def close(self, grace_s: float = 5.0) -> None:
         if self.proc is None:
             return
-        kill_group(self.proc.pid, grace_s)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5.0)
-        if self._finalizer is not None:
-            self._finalizer.detach()
+        reap(self.proc, self._finalizer, grace_s)
         self.proc = None
 
     def __enter__(self) -> ServedEngine:
@@ -155,13 +151,5 @@ def serve_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[s
                                       log_path=str(log_dir / f"{role}.log")))
                for role, config, core in (("prefill", prefill_config, 0),
                                           ("decode", decode_config, 1 % (os.cpu_count() or 1)))]
-    try:
-        for e in engines:
-            e.launch()
-        for e in engines:
-            e.wait_ready()
-    except BaseException:
-        for e in engines:
-            e.close()
-        raise
+    start_all(*engines)
     return engines[0], engines[1]
