@@ -3,8 +3,8 @@
 Blocking ZMQ exchanges, run in a thread pool of their own so a slow or dead decode never holds the event loop
 or the default executor. Imported lazily: the router runs without pyzmq in front of vLLM's NixlConnector.
 
-Takes speak :func:`kvshuttle.transfer.control.take_published`'s protocol (``take_published`` op, polled until
-found or ``timeout_s``) over connections kept per decode: one take per streamed turn, and a fresh connection
+Takes use :func:`kvshuttle.transfer.control.ask_published` (the ``take_published`` op, polled until found or
+``timeout_s``) over connections kept per decode: one take per streamed turn, and a fresh connection
 (socket, monitor, ZMTP handshake) costs about three times the CPU of the exchange itself. Releases are rare
 and use :func:`~kvshuttle.transfer.control.release_retention` as is.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -70,25 +69,15 @@ class SideChannelCalls:
         return self._ask(conn, address, key, timeout_s)
 
     def _ask(self, conn: Any, address: str, key: str, timeout_s: float) -> dict[str, Any] | None:
-        from ..errors import shown
-        from ..transfer.errors import ProtocolError
+        from ..transfer.control import ask_published
 
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                reply = conn.request({"op": "take_published", "key": key}, max(0.5, deadline - time.monotonic()),
-                                     "take_published")
-            except BaseException:
-                conn.close()
-                raise
-            if reply.get("op") != "published":
-                conn.close()
-                raise ProtocolError(f"{address} answered take_published with {shown(reply)}")
-            if reply.get("found") or time.monotonic() + POLL_S > deadline:
-                self._checkin(address, conn)
-                params = reply.get("kv_transfer_params")
-                return dict(params) if reply.get("found") and isinstance(params, dict) else None
-            time.sleep(POLL_S)
+        try:
+            params = ask_published(conn, key, timeout_s, POLL_S)
+        except BaseException:
+            conn.close()
+            raise
+        self._checkin(address, conn)
+        return params
 
     def _checkout(self, address: str, fresh: bool = False) -> tuple[Any, bool]:
         if not fresh:

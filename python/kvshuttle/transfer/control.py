@@ -41,20 +41,25 @@ def take_published(address: str, key: str, timeout_s: float = 2.0, poll_s: float
     check_publish_key(key)
     conn = _connect(address)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            reply = conn.request({"op": "take_published", "key": key}, max(0.5, deadline - time.monotonic()),
-                                 "take_published")
-            if reply.get("op") != "published":
-                raise ProtocolError(f"{address} answered take_published with {shown(reply)}")
-            if reply.get("found"):
-                params = reply.get("kv_transfer_params")
-                return dict(params) if isinstance(params, dict) else None
-            if time.monotonic() + poll_s > deadline:
-                return None
-            time.sleep(poll_s)
+        return ask_published(conn, key, timeout_s, poll_s)
     finally:
         conn.close()
+
+
+def ask_published(conn: Connection, key: str, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any] | None:
+    """:func:`take_published` over a connection the caller keeps (a router keeps one per decode)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = conn.request({"op": "take_published", "key": key}, max(0.5, deadline - time.monotonic()),
+                             "take_published")
+        if reply.get("op") != "published":
+            raise ProtocolError(f"{conn.address} answered take_published with {shown(reply)}")
+        if reply.get("found"):
+            params = reply.get("kv_transfer_params")
+            return dict(params) if isinstance(params, dict) else None
+        if time.monotonic() + poll_s > deadline:
+            return None
+        time.sleep(poll_s)
 
 
 def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None,
