@@ -60,10 +60,9 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
     engines = [prefill, decode]
     seen: dict[str, Any] = {}
 
-    def turn(prompt: list[int], handle: dict[str, Any] | None, decoder: Any = None, **extra: Any
-             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def turn(prompt: list[int], handle: dict[str, Any] | None, **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         p_out = prefill.generate(prompt, 1, prefill_params_for(handle) if handle else dict(FIRST_TURN_PARAMS))
-        d_out = (decoder or decode).generate(prompt, ANSWER, {**p_out["kv_transfer_params"], **extra})
+        d_out = decode.generate(prompt, ANSWER, {**p_out["kv_transfer_params"], **extra})
         return p_out, d_out
 
     def user(seed: int, n: int) -> list[int]:
