@@ -202,10 +202,7 @@ def write_plots(doc: dict[str, Any], runs: dict[str, ModeRun], out_dir: str | Pa
     ax.set_title(f"TTFT vs prompt length ({doc['profile']['name']})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    first = out / "ttft_vs_prompt.png"
-    fig.tight_layout()
-    fig.savefig(first, dpi=100)
-    plt.close(fig)
+    first = _saved(fig, out / "ttft_vs_prompt.png")
 
     fig, (mem, hit) = plt.subplots(1, 2, figsize=(11, 4.5))
     for threshold in dict.fromkeys(s["threshold"] for s in settings):
@@ -225,8 +222,14 @@ def write_plots(doc: dict[str, Any], runs: dict[str, ModeRun], out_dir: str | Pa
     for ax in (mem, hit):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    second = out / "retained_vs_ttl.png"
+    return [first, _saved(fig, out / "retained_vs_ttl.png")]
+
+
+def _saved(fig: Any, path: Path) -> Path:
+    """Write ``fig`` as a PNG and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(second, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [first, second]
+    return path
