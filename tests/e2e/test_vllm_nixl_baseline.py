@@ -69,6 +69,16 @@ def engines_closed(log_dir: Path, engines: list[Any]) -> Iterator[None]:
             engine.close()
 
 
+def checked_handles(turn: Any, answer_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A turn's (prefill, decode) params, checked: prefill holds the prompt's blocks for decode; decode holds
+    prompt + answer (minus the last token, which has no KV yet) for the next turn's prefill."""
+    p_params, d_params = turn.prefill["kv_transfer_params"], turn.decode["kv_transfer_params"]
+    assert p_params["do_remote_prefill"] is True and p_params["remote_num_tokens"] == len(turn.prompt)
+    assert d_params["do_remote_decode"] is True
+    assert d_params["remote_num_tokens"] == len(turn.prompt) + answer_tokens - 1
+    return p_params, d_params
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -102,12 +112,7 @@ def test_nixl_bidirectional_matches_local(model_dir: str, tmp_path: Path) -> Non
 
     previous_decode_tokens = None
     for t in turns:
-        p_params, d_params = t.prefill["kv_transfer_params"], t.decode["kv_transfer_params"]
-        # Prefill holds the prompt's blocks for decode; decode holds prompt + answer (minus the last token,
-        # which has no KV yet) for the next turn's prefill.
-        assert p_params["do_remote_prefill"] is True and p_params["remote_num_tokens"] == len(t.prompt)
-        assert d_params["do_remote_decode"] is True
-        assert d_params["remote_num_tokens"] == len(t.prompt) + plan.answer_tokens - 1
+        _, d_params = checked_handles(t, plan.answer_tokens)
         # The reverse read happened: prefill's cached tokens are exactly what decode held.
         if previous_decode_tokens is None:
             assert t.prefill["num_cached_tokens"] == 0
