@@ -175,3 +175,26 @@ def test_take_published_from_nobody_is_a_named_error() -> None:
 
     with pytest.raises(PeerUnreachableError):
         take_published(f"tcp://127.0.0.1:{free_port()}", "k", timeout_s=1.0)
+
+
+def test_renew_waits_for_a_handle_the_decode_learns_a_moment_later(
+        served: tuple[str, HandleBoard, RetentionLedger]) -> None:
+    """The decode's ledger learns of a handle one engine step after the answer that carried it: a renewal sent
+    in between is asked again, not dropped."""
+    from kvshuttle.transfer import renew_retention
+
+    address, _, ledger = served
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    digests = block_digests(list(range(40)), 16)
+    issued = RetentionLedger("decode", host, int(port)).retain("r9", [4, 6, 8], digests, 40, 16, handle_id="late-1",
+                                                               generation=0)
+    timer = threading.Timer(0.3, ledger.retain, ("r9", [4, 6, 8], digests, 40, 16),
+                            {"handle_id": "late-1", "generation": 0})
+    timer.start()
+    try:
+        renewed = renew_retention(issued.to_kv_transfer_params(), ttl_s=60.0, unknown_grace_s=5.0)
+    finally:
+        timer.cancel()
+    assert renewed is not None and renewed["remote_block_ids"] == [4, 6, 8]
+    assert renew_retention({**issued.to_kv_transfer_params(), "kvshuttle_handle_id": "never-issued"},
+                           unknown_grace_s=0.2) is None

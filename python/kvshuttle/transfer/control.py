@@ -62,18 +62,24 @@ def ask_published(conn: Connection, key: str, timeout_s: float, poll_s: float = 
         time.sleep(poll_s)
 
 
-def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None,
-                    timeout_s: float = 2.0) -> dict[str, Any] | None:
+def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None, timeout_s: float = 2.0,
+                    unknown_grace_s: float = 1.0) -> dict[str, Any] | None:
     """Keep the decode's retention of this handle for another ``ttl_s`` (default: the decode's TTL).
 
     The refreshed params (same blocks, later expiry), or None when the decode no longer holds them (expired,
-    evicted, released, consumed). TransferArgumentError for params holding no kvshuttle handle.
+    evicted, released, consumed). A handle the decode does not know yet is asked again for up to
+    ``unknown_grace_s``: its ledger learns of a handle one engine step after the answer that carried it, so a
+    renewal sent right after a turn can arrive first. TransferArgumentError for params holding no handle.
     """
     handle = _handle(kv_transfer_params)
+    message = {"op": "renew_retention", "handle_id": handle.handle_id, "ttl_s": ttl_s}
     conn = _connect(f"tcp://{handle.host}:{handle.port}")
     try:
-        reply = conn.request({"op": "renew_retention", "handle_id": handle.handle_id, "ttl_s": ttl_s}, timeout_s,
-                             "a renewal")
+        grace_until = time.monotonic() + unknown_grace_s
+        reply = conn.request(message, timeout_s, "a renewal")
+        while reply.get("reason") == "UnknownHandleError" and time.monotonic() < grace_until:
+            time.sleep(0.05)
+            reply = conn.request(message, timeout_s, "a renewal")
     finally:
         conn.close()
     params = reply.get("kv_transfer_params") if reply.get("op") == "renewed" else None
@@ -81,7 +87,10 @@ def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None,
 
 
 def release_retention(kv_transfer_params: Any, timeout_s: float = 2.0) -> bool:
-    """Let the decode free this handle's blocks now; False when there was nothing (left) to free."""
+    """Let the decode free this handle's blocks now; False when there was nothing (left) to free.
+
+    The decode's ledger cannot tell a handle it has not learned yet (one engine step after the answer) from one
+    already gone, so a release sent in that instant returns False and the blocks stay until their TTL."""
     handle = _handle(kv_transfer_params)
     conn = _connect(f"tcp://{handle.host}:{handle.port}")
     try:
