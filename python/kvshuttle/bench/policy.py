@@ -27,6 +27,7 @@ import numpy as np
 from ..policy.decision import Decision, PolicyConfig, decide, parse_handle
 from ..policy.digests import PERSON, PromptDigests, block_digests
 from ..policy.kv_handle import KVHandle
+from ..trust import DeploymentSecret
 from .schema import envelope
 from .timing import interleaved_rounds, medians, speedups
 
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+BENCH_SECRET = DeploymentSecret(b"kvshuttle-bench-policy-secret-0123456789")
+
+
 def make_handle(remote: np.ndarray[Any, Any], block_size: int, expiry_in: float = 300.0) -> KVHandle:
     """A decode's handle for ``remote`` tokens, through the wire format (as prefill receives it)."""
     digests = block_digests(remote, block_size)
@@ -51,7 +55,7 @@ def make_handle(remote: np.ndarray[Any, Any], block_size: int, expiry_in: float 
                       block_ids=tuple(range(7, 7 + len(digests))), num_tokens=len(remote),
                       expiry_time=NOW + expiry_in, tp_size=1, handle_id="0" * 32, generation=1,
                       block_size=block_size, digests=tuple(digests), issued_at=NOW, ttl_s=480.0)
-    parsed = parse_handle(handle.to_kv_transfer_params())
+    parsed = parse_handle(handle.to_kv_transfer_params(BENCH_SECRET), secret=BENCH_SECRET)
     if not isinstance(parsed, KVHandle):
         raise AssertionError(f"the bench's own handle did not parse: {parsed.message}")
     return parsed
@@ -100,7 +104,7 @@ def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[di
     bs = args.block_size
     remote = rng.integers(0, 150_000, size=args.blocks * bs - 7)  # a partial last block, as D usually has
     handle = make_handle(remote, bs)
-    params = handle.to_kv_transfer_params()
+    params = handle.to_kv_transfer_params(BENCH_SECRET)  # parsed as the serving path does: MAC checked
     prompt = np.concatenate([remote, rng.integers(0, 150_000, size=args.new_tokens)])
     edited = prompt.copy()
     edited[(args.blocks // 2) * bs + 3] ^= 1
@@ -139,7 +143,7 @@ def _decide_cases(args: argparse.Namespace, rng: np.random.Generator) -> list[di
     raw_number = max(3, args.number // 50)
     context = medians(interleaved_rounds({
         "decide_from_tokens": lambda: decide(prompt, local_hit_tokens=0, handle=handle, now_wall=NOW, config=config),
-        "parse_handle": lambda: parse_handle(params),
+        "parse_handle": lambda: parse_handle(params, secret=BENCH_SECRET),
     }, args.repeat, number=raw_number))
     out.append({"case": "context", "blocks": args.blocks, "rounds": args.repeat, "number": raw_number,
                 "seconds": {k: _sig(v) for k, v in context.items()}})

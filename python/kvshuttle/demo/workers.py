@@ -114,7 +114,7 @@ class Decode(PagedWorker):
                                     held, self.shape.block_size, conversation_id=conversation, ttl_s=ttl_s)
         self.handles[conversation] = handle.handle_id
         metrics = self.ledger.metrics()
-        return {"kv_transfer_params": handle.to_kv_transfer_params(), "verified": self.holds(blocks, tokens, held),
+        return {"kv_transfer_params": handle.to_kv_transfer_params(self.engine.secret), "verified": self.holds(blocks, tokens, held),
                 "retained_blocks": metrics.get("retained_blocks"), "evictions": metrics.get("evictions")}
 
     def release(self, conversation: str) -> bool:

@@ -18,7 +18,7 @@ from .decision import (
     parse_handle,
 )
 from .digests import DEFAULT_DIGEST_SIZE, DigestError, PromptDigests, block_digests, from_vllm_block_hashes
-from .kv_handle import HandleFormatError, KVHandle
+from .kv_handle import HandleAuthError, HandleFormatError, KVHandle
 
 __all__ = [
     "DEFAULT_DIGEST_SIZE",
@@ -26,6 +26,7 @@ __all__ = [
     "CostInputs",
     "Decision",
     "DigestError",
+    "HandleAuthError",
     "HandleFormatError",
     "KVHandle",
     "PolicyConfig",

@@ -40,8 +40,9 @@ import numpy as np
 from .._values import as_float, is_int
 from ..core.blocks import blocks_for_tokens
 from ..errors import KVShuttleError, shown
+from ..trust import DeploymentSecret
 from .digests import DigestError, PromptDigests, TokenIds
-from .kv_handle import PREFIX, HandleFormatError, KVHandle
+from .kv_handle import PREFIX, HandleAuthError, HandleFormatError, KVHandle
 
 Action = Literal["local", "fetch", "recompute"]
 Kind = Literal["fixed", "cost"]
@@ -58,6 +59,7 @@ class Reason(str, enum.Enum):
     NO_HANDLE = "no_handle"
     UNVERIFIABLE_HANDLE = "unverifiable_handle"  # a vLLM handle without kvshuttle digests
     MALFORMED_HANDLE = "malformed_handle"
+    UNAUTHENTICATED_HANDLE = "unauthenticated_handle"  # no MAC, a wrong one, or an owner not trusted here
     FETCH_DISABLED = "fetch_disabled"
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     DIGEST_SCHEME_MISMATCH = "digest_scheme_mismatch"
@@ -340,7 +342,7 @@ def _decide_verified(prompt: TokenIds | PromptDigests, request: _Request, handle
 
 
 # --------------------------------------------------------------------------------------------- the handle
-def _parse(kv_transfer_params: Any) -> KVHandle | tuple[Reason, str]:
+def _parse(kv_transfer_params: Any, secret: DeploymentSecret | None) -> KVHandle | tuple[Reason, str]:
     if kv_transfer_params is None or (isinstance(kv_transfer_params, Mapping) and not kv_transfer_params):
         return Reason.NO_HANDLE, "no kv_transfer_params"
     if isinstance(kv_transfer_params, Mapping) and PREFIX + "version" not in kv_transfer_params:
@@ -349,28 +351,34 @@ def _parse(kv_transfer_params: Any) -> KVHandle | tuple[Reason, str]:
                     "verified against the prompt, so they are not read (vllm#43094)")
         return Reason.NO_HANDLE, "kv_transfer_params hold no handle"
     try:
-        return KVHandle.from_kv_transfer_params(kv_transfer_params)
+        return KVHandle.from_kv_transfer_params(kv_transfer_params, secret)
+    except HandleAuthError as exc:
+        return Reason.UNAUTHENTICATED_HANDLE, str(exc)
     except HandleFormatError as exc:
         return Reason.MALFORMED_HANDLE, str(exc)
     except Exception as exc:  # the serving path never raises on what a remote sent; the reason keeps the cause
         return Reason.MALFORMED_HANDLE, f"{type(exc).__name__}: {exc}"
 
 
-def parse_handle(kv_transfer_params: Any, *, local_hit_tokens: int = 0) -> KVHandle | Decision:
-    """The handle in ``kv_transfer_params``, or a recompute (or local) Decision saying why there is none.
+def parse_handle(kv_transfer_params: Any, *, secret: DeploymentSecret | None,
+                 local_hit_tokens: int = 0) -> KVHandle | Decision:
+    """The handle in ``kv_transfer_params``, authenticated under ``secret``, or a recompute (or local) Decision
+    saying why there is none (``unauthenticated_handle``: forged, edited, or naming an owner not trusted here).
 
-    Never raises on malformed or tampered params. ``local_hit_tokens`` only fills the Decision.
+    Never raises on malformed or tampered params. ``secret=None`` skips the MAC check (only for params that
+    never crossed a trust boundary). ``local_hit_tokens`` only fills the Decision.
     """
-    parsed = _parse(kv_transfer_params)
+    parsed = _parse(kv_transfer_params, secret)
     if isinstance(parsed, KVHandle):
         return parsed
     return _Request(None, local_hit_tokens).refuse(*parsed)
 
 
 def decide_from_params(prompt: TokenIds | PromptDigests, kv_transfer_params: Any, *, local_hit_tokens: int,
-                       now_wall: float, config: PolicyConfig, clock_offset_s: float = 0.0) -> Decision:
+                       now_wall: float, config: PolicyConfig, secret: DeploymentSecret | None,
+                       clock_offset_s: float = 0.0) -> Decision:
     """:func:`parse_handle` then :func:`decide`: the serving path's one call."""
-    parsed = _parse(kv_transfer_params)
+    parsed = _parse(kv_transfer_params, secret)
     if isinstance(parsed, KVHandle):
         return decide(prompt, local_hit_tokens=local_hit_tokens, handle=parsed, now_wall=now_wall, config=config,
                       clock_offset_s=clock_offset_s)

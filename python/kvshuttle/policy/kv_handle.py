@@ -14,13 +14,21 @@ from typing import Any
 from .._values import is_finite
 from ..core.blocks import blocks_hold_tokens
 from ..errors import KVShuttleError, shown
+from ..trust import DeploymentSecret
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: every field covered by kvshuttle_mac
 PREFIX = "kvshuttle_"
+MAC_FIELD = PREFIX + "mac"
+_MAC_PURPOSE = "kv-handle"
 
 
 class HandleFormatError(KVShuttleError, ValueError):
     """``kv_transfer_params`` do not hold a well-formed kvshuttle handle; recompute instead of reading."""
+
+
+class HandleAuthError(HandleFormatError):
+    """A well-formed handle that no member of this deployment issued as it stands (no MAC, a wrong MAC: forged
+    or edited), or that names an owner this process may not trust; recompute without connecting anywhere."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,25 @@ class KVHandle:
     issued_at: float  # decode wall clock when issued
     ttl_s: float  # seconds of retention left when issued
 
-    def to_kv_transfer_params(self) -> dict[str, Any]:
+    def signing_bytes(self) -> bytes:
+        """Every field in one canonical encoding (typed, so a JSON or msgpack round trip cannot change it)."""
+        parts = [self.engine_id, self.request_id, self.host, str(self.port), ",".join(map(str, self.block_ids)),
+                 str(self.num_tokens), float(self.expiry_time).hex(), str(self.tp_size), self.handle_id,
+                 str(self.generation), str(self.block_size), b"".join(self.digests).hex(),
+                 float(self.issued_at).hex(), float(self.ttl_s).hex()]
+        return f"v{WIRE_VERSION}\0".encode() + "\0".join(parts).encode()
+
+    def mac(self, secret: DeploymentSecret) -> str:
+        return secret.mac(_MAC_PURPOSE, self.signing_bytes()).hex()
+
+    def to_kv_transfer_params(self, secret: DeploymentSecret | None = None) -> dict[str, Any]:
+        """The wire form; signed with ``secret`` (a handle without a MAC is refused by every verifying reader)."""
+        params = self._wire_fields()
+        if secret is not None:
+            params[MAC_FIELD] = self.mac(secret)
+        return params
+
+    def _wire_fields(self) -> dict[str, Any]:
         return {
             "remote_engine_id": self.engine_id,
             "remote_request_id": self.request_id,
@@ -68,8 +94,33 @@ class KVHandle:
         }
 
     @classmethod
-    def from_kv_transfer_params(cls, params: Any) -> KVHandle:
-        """Parse strictly; HandleFormatError names the first problem, and no other exception comes out."""
+    def from_kv_transfer_params(cls, params: Any, secret: DeploymentSecret | None) -> KVHandle:
+        """Parse strictly and, with ``secret``, authenticate: HandleFormatError (HandleAuthError for a missing or
+        wrong MAC, or an owner ``secret`` may not trust) names the first problem; no other exception comes out.
+        ``secret=None`` skips authentication: only for params that never crossed a trust boundary."""
+        handle = cls._parse(params)
+        if secret is not None:
+            handle.authenticate(params.get(MAC_FIELD), secret)
+        return handle
+
+    def authenticate(self, mac: Any, secret: DeploymentSecret) -> None:
+        """HandleAuthError unless ``mac`` is this handle's MAC under ``secret`` and its owner may be trusted."""
+        if not isinstance(mac, str) or len(mac) != 32:
+            raise HandleAuthError(f"the handle carries no valid {MAC_FIELD}: not issued by a member of this "
+                                  f"deployment (secret {secret.fingerprint}), or issued by an older kvshuttle")
+        try:
+            tag = bytes.fromhex(mac)
+        except ValueError:
+            tag = b""
+        if not secret.verify(_MAC_PURPOSE, self.signing_bytes(), tag):
+            raise HandleAuthError(f"the handle's {MAC_FIELD} does not match its fields: forged or edited, or issued "
+                                  f"under another deployment secret than this one ({secret.fingerprint})")
+        if not secret.allows_host(self.host):
+            raise HandleAuthError(f"the handle names owner {self.host}, but only a local (loopback) secret is "
+                                  "configured here; set KVSHUTTLE_SECRET on every engine to trust remote owners")
+
+    @classmethod
+    def _parse(cls, params: Any) -> KVHandle:
         if not isinstance(params, dict):
             raise HandleFormatError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
         version = _int(params, PREFIX + "version", 0, INT64_MAX)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .errors import (
     BudgetExceededError,
+    ClaimLimitError,
     ClaimLostError,
     HandleConsumedError,
     HandleEvictedError,
@@ -28,13 +29,15 @@ from .errors import (
     TamperedHandleError,
     UnknownHandleError,
 )
-from .ledger import DEFAULT_TTL_S, MODES, Claim, Mode, RetentionLedger
+from .ledger import DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, MODES, Claim, Mode, RetentionLedger
 
 __all__ = [
+    "DEFAULT_MAX_TTL_S",
     "DEFAULT_TTL_S",
     "MODES",
     "BudgetExceededError",
     "Claim",
+    "ClaimLimitError",
     "ClaimLostError",
     "HandleConsumedError",
     "HandleEvictedError",

@@ -111,6 +111,10 @@ class ClaimLostError(RetentionError, LookupError):
                          "(raise claim_timeout_s if reads legitimately take this long)")
 
 
+class ClaimLimitError(RetentionError, RuntimeError):
+    """One reader holds ``max_claims_per_reader`` open claims already: finish some (or recompute)."""
+
+
 UNAVAILABLE: dict[str, type[HandleUnavailableError]] = {
     cls.reason: cls
     for cls in (UnknownHandleError, HandleExpiredError, HandleEvictedError, HandleReleasedError,

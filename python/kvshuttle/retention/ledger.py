@@ -55,6 +55,7 @@ from ._heap import DeadlineHeap
 from .errors import (
     UNAVAILABLE,
     BudgetExceededError,
+    ClaimLimitError,
     ClaimLostError,
     RetentionArgumentError,
     StaleHandleError,
@@ -64,6 +65,7 @@ from .errors import (
 Mode = Literal["multi_read", "use_once"]
 MODES: tuple[Mode, ...] = ("multi_read", "use_once")
 DEFAULT_TTL_S = 480.0
+DEFAULT_MAX_TTL_S = 3600.0  # what a renewal may ask for at most: an hour of idle conversation
 R = TypeVar("R")
 # End reasons of a handle; each is also a counter in metrics().
 END_REASONS = ("expired", "evicted", "released", "consumed", "stale")
@@ -139,7 +141,8 @@ class RetentionLedger:
                  bytes_per_block: int = 0, claim_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  on_free: Callable[[list[int]], object] | None = None,
-                 on_release: Callable[[str], object] | None = None, tombstones: int = 4096) -> None:
+                 on_release: Callable[[str], object] | None = None, tombstones: int = 4096,
+                 max_ttl_s: float = DEFAULT_MAX_TTL_S, max_claims_per_reader: int = 256) -> None:
         if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
             raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
@@ -152,6 +155,8 @@ class RetentionLedger:
         check_callable("on_free", on_free, optional=True)
         check_callable("on_release", on_release, optional=True)
         self._ttl = check_positive("ttl_s", ttl_s)
+        self._max_ttl = max(check_positive("max_ttl_s", max_ttl_s), self._ttl)
+        self._max_claims_per_reader = check_count("max_claims_per_reader", max_claims_per_reader)
         self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
         limits = [check_count("budget_blocks", budget_blocks)] if budget_blocks is not None else []
         check_count("bytes_per_block", bytes_per_block)
@@ -178,6 +183,7 @@ class RetentionLedger:
         self._conversations: dict[str, set[str]] = {}
         self._expiry: DeadlineHeap[_Retained] = DeadlineHeap(lambda h: h.ended is None)
         self._claims: dict[str, _OpenClaim] = {}
+        self._open_by_reader: Counter[str] = Counter()  # open claims per reader (a connection on the side channel)
         self._claim_deadlines: DeadlineHeap[_OpenClaim] = DeadlineHeap(lambda c: c.open)
         self._ended_handles: OrderedDict[str, str] = OrderedDict()  # recent handle id -> end reason
         self._ended_claims: OrderedDict[str, str] = OrderedDict()
@@ -235,10 +241,23 @@ class RetentionLedger:
         check_id("claim_id", claim_id)
         return self._call(lambda: self._abort(claim_id))
 
+    def claimed_blocks(self, claim_id: str) -> tuple[int, ...]:
+        """The blocks a live claim pins; ClaimLostError when it is not live (what an owner checks before it packs)."""
+        check_id("claim_id", claim_id)
+
+        def look() -> tuple[int, ...]:
+            record = self._claims.get(claim_id)
+            if record is None or self._clock() >= record.claim.deadline:
+                raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
+            return record.claim.block_ids
+
+        return self._call(look)
+
     def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle:
-        """Extend the handle to ``now + ttl_s`` (never shorten) and touch it; returns the updated wire handle."""
+        """Extend the handle to ``now + ttl_s`` (never shorten; at most ``max_ttl_s``) and touch it; returns the
+        updated wire handle."""
         check_id("handle_id", handle_id)
-        ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
+        ttl = self._ttl if ttl_s is None else min(check_positive("ttl_s", ttl_s), self._max_ttl)
         return self._call(lambda: self._renew(handle_id, ttl))
 
     def release(self, handle_id: str) -> bool:
@@ -409,6 +428,11 @@ class RetentionLedger:
             count = len(digs)
         if handle.once and handle.claims:
             self._refuse("in_use", handle_id, "another reader holds the use-once claim")
+        if self._open_by_reader[reader] >= self._max_claims_per_reader:
+            self._refusals["claim_limit"] += 1
+            raise ClaimLimitError(f"reader {reader[:16]} holds {self._max_claims_per_reader} open claims already; "
+                                  "finish them first")
+        self._open_by_reader[reader] += 1
         if handle.claims == 0:
             del self._lru[handle_id]  # a handle being read is never evicted
             self._reading.add(handle)
@@ -584,6 +608,10 @@ class RetentionLedger:
 
     def _close_claim(self, record: _OpenClaim, why: str) -> None:
         _remember(self._ended_claims, record.claim.claim_id, why, self._tombstone_cap)
+        reader = record.claim.reader
+        self._open_by_reader[reader] -= 1
+        if self._open_by_reader[reader] <= 0:
+            del self._open_by_reader[reader]  # no per-reader state outlives its claims
         handle = record.handle
         handle.claims -= 1
         if handle.claims:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +43,7 @@ from ..transfer import (
     TransferTimeoutError,
 )
 from ..transfer.config import PATHS, Path
+from ..transfer.control import ask_release, ask_renewal
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class Failure(str, enum.Enum):
 
     MISALIGNED = "misaligned"  # the remote range does not start on a local block boundary after the hit
     PEER_UNREACHABLE = "peer_unreachable"
+    PEER_COOLING_DOWN = "peer_cooling_down"  # it failed moments ago: refused at once, not reconnected per request
+    OWNER_NOT_ALLOWED = "owner_not_allowed"  # the handle names an owner outside the allow-list
     INCOMPATIBLE_PEER = "incompatible_peer"
     PEER_LOST = "peer_lost"
     CLAIM_REFUSED = "claim_refused"  # expired, evicted, released, consumed, stale or tampered on the decode
@@ -96,7 +100,19 @@ class ReuseResult:
         return self.telemetry.bytes if self.telemetry else 0
 
 
+class _CoolingDown(PeerUnreachableError):
+    """Internal: the owner failed less than ``cooldown_s`` ago."""
+
+
+class _NotAllowed(TransferError):
+    """Internal: the owner is not on the allow-list."""
+
+
 def _failure(exc: BaseException) -> Failure:
+    if isinstance(exc, _CoolingDown):
+        return Failure.PEER_COOLING_DOWN
+    if isinstance(exc, _NotAllowed):
+        return Failure.OWNER_NOT_ALLOWED
     if isinstance(exc, ClaimRefusedError):
         return Failure.CLAIM_REFUSED
     if isinstance(exc, PeerUnreachableError):
@@ -113,23 +129,38 @@ def _failure(exc: BaseException) -> Failure:
 class ReuseReader:
     """Reuse reads for one prefill worker: its engine, policy and a cache of connected decodes.
 
-    A decode that is lost is reconnected on the next request that names it (and skipped, recomputing, while it
-    is down). ``timeout_s`` bounds claim + read + confirmation of one request. Driven from one thread, like
-    the engine.
+    Handles are authenticated under the engine's deployment secret before anything else: a forged or edited one
+    recomputes without a single connection attempt. ``allowed_owners`` (hosts, or ``host:port``), when given,
+    limits where reads may come from. A decode that fails (unreachable, lost, timed out) is refused at once
+    for ``cooldown_s`` (a circuit breaker: no reconnect per request, so requests behind a dead decode do not
+    queue up), then reconnected by the next request that names it. ``timeout_s`` bounds claim + read +
+    confirmation of one request. Safe to use from several threads at once (the vLLM worker's loads run
+    concurrently): reads from one decode share its connection, reads from different decodes never wait on
+    each other's.
     """
 
     def __init__(self, engine: TransferEngine, policy: PolicyConfig | None = None, *, timeout_s: float = 10.0,
-                 path: Path = "auto", clock: Callable[[], float] = time.time) -> None:
+                 path: Path = "auto", clock: Callable[[], float] = time.time, cooldown_s: float = 5.0,
+                 allowed_owners: Collection[str] | None = None) -> None:
         if not isinstance(path, str) or path not in PATHS:
             raise ReuseArgumentError(f"path must be one of {PATHS}, not {shown(path)}")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ReuseArgumentError(f"timeout_s must be a positive number of seconds, got {shown(timeout_s)}")
+        for name, value in (("timeout_s", timeout_s), ("cooldown_s", cooldown_s)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ReuseArgumentError(f"{name} must be a positive number of seconds, got {shown(value)}")
+        if allowed_owners is not None and not all(isinstance(a, str) and a for a in allowed_owners):
+            raise ReuseArgumentError("allowed_owners must be host or host:port strings")
         self.engine = engine
+        self.secret = engine.secret
         self.policy = policy or PolicyConfig()
         self.timeout_s = float(timeout_s)
+        self.cooldown_s = float(cooldown_s)
+        self.allowed_owners = None if allowed_owners is None else frozenset(allowed_owners)
         self.path: Path = path
         self._clock = clock
         self._peers: dict[str, Peer] = {}
+        self._broken: dict[str, tuple[float, str]] = {}  # address -> (refused until, why): the circuit breaker
+        self._lock = threading.Lock()  # guards the two tables
+        self._connecting: dict[str, threading.Lock] = {}  # one connect at a time per address
 
     def read(self, kv_transfer_params: Any, prompt: TokenIds | PromptDigests, *, local_hit_tokens: int,
              local_block_ids: Sequence[int] | np.ndarray[Any, Any], clock_offset_s: float = 0.0) -> ReuseResult:
@@ -140,13 +171,15 @@ class ReuseReader:
         """
         started = time.perf_counter()
         num_tokens = _length(prompt)
-        handle = parse_handle(kv_transfer_params)
+        handle = parse_handle(kv_transfer_params, secret=self.secret)
         if isinstance(handle, KVHandle):
             decision = decide(prompt, local_hit_tokens=local_hit_tokens, handle=handle, now_wall=self._clock(),
                               config=self.policy, clock_offset_s=clock_offset_s)
-        else:  # malformed, tampered, unverifiable or absent: the policy says why, we recompute
+        else:  # malformed, forged, unverifiable or absent: the policy says why, we recompute
             decision = decide_from_params(prompt, kv_transfer_params, local_hit_tokens=local_hit_tokens,
-                                          now_wall=self._clock(), config=self.policy)
+                                          now_wall=self._clock(), config=self.policy, secret=self.secret)
+            if decision.reason.value == "unauthenticated_handle":
+                log.warning("kvshuttle: recompute, because %s", decision.message)
         local_ids = self._targets(decision, local_block_ids, num_tokens)
         if not decision.fetch or not isinstance(handle, KVHandle):
             return self._result(decision, started, num_tokens)
@@ -158,32 +191,34 @@ class ReuseReader:
 
     def renew(self, kv_transfer_params: Any, ttl_s: float | None = None) -> dict[str, Any] | None:
         """Keep a decode's retention alive (a conversation still active); the refreshed params, or None when
-        it cannot be renewed (malformed, gone, decode unreachable): then the next turn will recompute."""
-        handle = parse_handle(kv_transfer_params)
+        it cannot be renewed (malformed, forged, gone, decode unreachable): then the next turn will recompute."""
+        handle = parse_handle(kv_transfer_params, secret=self.secret)
         if not isinstance(handle, KVHandle):
             return None
         try:
-            return self.engine.renew_retention(self._peer(handle), handle, ttl_s)
+            return ask_renewal(self._peer(handle), handle, ttl_s, self.engine.config.connect_timeout_s)
         except TransferError as exc:
             log.info("kvshuttle: retention %s... not renewed: %s", handle.handle_id[:8], exc)
             return None
 
     def release(self, kv_transfer_params: Any) -> bool:
         """Let a decode free a conversation's blocks now; False when there was nothing (left) to free."""
-        handle = parse_handle(kv_transfer_params)
+        handle = parse_handle(kv_transfer_params, secret=self.secret)
         if not isinstance(handle, KVHandle):
             return False
         try:
-            return self.engine.release_retention(self._peer(handle), handle)
+            return ask_release(self._peer(handle), handle, self.engine.config.connect_timeout_s)
         except TransferError as exc:
             log.info("kvshuttle: retention %s... not released: %s", handle.handle_id[:8], exc)
             return False
 
     def close(self) -> None:
         """Forget every connected decode (the engine itself stays open)."""
-        for peer in self._peers.values():
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+            self._broken.clear()
+        for peer in peers:
             self.engine.disconnect(peer)
-        self._peers.clear()
 
     # -- internals ------------------------------------------------------------------------------------------
     def _targets(self, decision: Decision, local_block_ids: Any, num_tokens: int) -> npt.NDArray[np.int64] | None:
@@ -205,38 +240,77 @@ class ReuseReader:
         return table[first:first + blocks_for_tokens(len(tokens), bs)]
 
     def _peer(self, handle: KVHandle) -> Peer:
+        """The connected owner of ``handle``: cached, refused at once while cooling down, else (re)connected."""
         address = f"tcp://{handle.host}:{handle.port}"
-        peer = self._peers.get(address)
-        if peer is not None and peer.connected and peer.watch() is None:
+        if self.allowed_owners is not None and not {handle.host, f"{handle.host}:{handle.port}"} & self.allowed_owners:
+            raise _NotAllowed(f"owner {handle.host}:{handle.port} is not in allowed_owners")
+        with self._lock:
+            lock = self._connecting.setdefault(address, threading.Lock())
+        with lock:  # one connect per address at a time; other addresses never wait on it
+            self._check_cooldown(address)
+            with self._lock:
+                peer = self._peers.get(address)
+            if peer is not None and peer.connected and peer.watch() is None:
+                return peer
+            if peer is not None:
+                self._mark_failed(address, peer.lost or "the connection was closed")
+                self.engine.disconnect(peer)
+                self._check_cooldown(address)
+            try:
+                peer = self.engine.connect(address)
+            except (PeerUnreachableError, PeerLostError, IncompatiblePeerError) as exc:
+                self._mark_failed(address, str(exc))
+                raise
+            with self._lock:
+                self._peers[address] = peer
+                self._broken.pop(address, None)
             return peer
+
+    def _check_cooldown(self, address: str) -> None:
+        with self._lock:
+            failed = self._broken.get(address)
+            if failed is not None and time.monotonic() < failed[0]:
+                raise _CoolingDown(f"{address} failed {self.cooldown_s - (failed[0] - time.monotonic()):.1f} s ago "
+                                   f"({failed[1]}); refused for {self.cooldown_s:.0f} s before reconnecting")
+
+    def _mark_failed(self, address: str, why: str) -> None:
+        """Open the circuit breaker for ``address``: requests naming it recompute at once for ``cooldown_s``."""
+        with self._lock:
+            self._broken[address] = (time.monotonic() + self.cooldown_s, why[:300])
+            peer = self._peers.pop(address, None)
+            if len(self._broken) > 1024:  # bounded: forget the longest-expired first
+                for stale in sorted(self._broken, key=lambda a: self._broken[a][0])[:512]:
+                    del self._broken[stale]
         if peer is not None:
             self.engine.disconnect(peer)
-            del self._peers[address]
-        peer = self.engine.connect(address)
-        self._peers[address] = peer
-        return peer
 
     def fetch(self, decision: Decision, handle: KVHandle, local_ids: Sequence[int] | npt.NDArray[np.int64],
-              num_tokens: int, *,
-              started: float | None = None, unknown_grace_s: float = 0.0) -> ReuseResult:
+              num_tokens: int, *, started: float | None = None, unknown_grace_s: float = 0.0,
+              deadline: float | None = None) -> ReuseResult:
         """Claim, read and confirm what ``decision`` (a fetch) names into ``local_ids``: the second half of
         :meth:`read`, for a caller that decided elsewhere (vLLM's scheduler decides, its worker fetches).
 
+        ``handle`` must be authenticated already (:func:`~kvshuttle.policy.parse_handle` with the secret).
         ``unknown_grace_s``: how long to retry a claim the owner refuses as unknown (its ledger may learn of a
-        just-issued handle a step later than the reader got it).
+        just-issued handle a step later than the reader got it). ``deadline`` (``time.monotonic()``; default
+        ``timeout_s`` from now): when the whole fetch must be over, counted by the caller from when it decided,
+        so time spent queued counts too.
         """
         started = time.perf_counter() if started is None else started
         local_ids = np.asarray(local_ids, dtype=np.int64)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s if deadline is None else min(deadline, time.monotonic()
+                                                                                   + self.timeout_s)
         claim_s, ticket, peer, confirming = 0.0, None, None, False
         try:
+            if time.monotonic() >= deadline:
+                raise TransferTimeoutError("the load's deadline passed before it started (queued too long)")
             peer = self._peer(handle)
             t0 = time.perf_counter()
             ticket = self._claim(peer, handle, decision.fetch_blocks.stop, deadline,
                                  time.monotonic() + min(unknown_grace_s, self.timeout_s))
             claim_s = time.perf_counter() - t0
             with self.engine.read(peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
-                                  path=self.path, timeout=_left(deadline)) as transfer:
+                                  path=self.path, timeout=_left(deadline), claim=ticket) as transfer:
                 telemetry = transfer.wait(_left(deadline))
             t0 = time.perf_counter()
             confirming = True  # from here on the decode holds no pin to drop: finish_claim(ok) ends the claim
@@ -250,6 +324,8 @@ class ReuseReader:
                     log.debug("kvshuttle: could not report a failed read to %s: %s", handle.host, report)
             failure = Failure.REUSED_MEANWHILE if confirming and isinstance(exc, ClaimRefusedError) \
                 else _failure(exc)
+            if failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE, Failure.TRANSFER_TIMEOUT) and peer is not None:
+                self._mark_failed(peer.address, str(exc))  # the next requests naming it recompute at once
             return self._failed(decision, started, num_tokens, failure, tuple(local_ids.tolist()), str(exc), claim_s,
                                 getattr(exc, "reason", ""))
         return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,

@@ -15,7 +15,11 @@ from typing import Any, Protocol
 
 from ..errors import KVShuttleError
 from ..policy.kv_handle import KVHandle
-from .errors import TransferError
+from ..trust import DeploymentSecret
+from .errors import ProtocolError, TransferError
+from .wire import field
+
+MAX_CLAIM_BLOCKS = 1 << 17  # 2M tokens in 16-token blocks: far past any context, short of a memory attack
 
 
 class GrantedClaim(Protocol):
@@ -38,6 +42,8 @@ class ClaimAuthority(Protocol):
     def complete(self, claim_id: str) -> object: ...
 
     def abort(self, claim_id: str) -> bool: ...
+
+    def claimed_blocks(self, claim_id: str) -> tuple[int, ...]: ...
 
     def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle: ...
 
@@ -64,42 +70,58 @@ class ClaimTicket:
     num_tokens: int
 
 
-def claim_request(handle: KVHandle, num_blocks: int | None, reader: str) -> dict[str, Any]:
-    """The side-channel message claiming the first ``num_blocks`` blocks of ``handle`` (all when None)."""
+def claim_request(handle: KVHandle, num_blocks: int | None) -> dict[str, Any]:
+    """The side-channel message claiming the first ``num_blocks`` blocks of ``handle`` (all when None); the
+    owner knows the claimant by its authenticated connection, not by anything the message says."""
     count = len(handle.block_ids) if num_blocks is None else num_blocks
     return {"op": "claim", "handle_id": handle.handle_id, "generation": handle.generation,
-            "block_ids": list(handle.block_ids[:count]), "digests": list(handle.digests[:count]),
-            "reader": reader}
+            "block_ids": list(handle.block_ids[:count]), "digests": list(handle.digests[:count])}
 
 
-def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any]) -> dict[str, Any]:
-    """The owner's answer to ``claim`` and ``claim_done`` messages."""
+def _ttl(message: dict[str, Any]) -> float | None:
+    ttl = message.get("ttl_s")
+    if ttl is None:
+        return None
+    if type(ttl) not in (int, float) or not 0 < ttl < 1e9:
+        raise ProtocolError("renew_retention's 'ttl_s' must be a positive number of seconds (or absent)")
+    return float(ttl)
+
+
+def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, reader: str,
+                secret: DeploymentSecret) -> dict[str, Any]:
+    """The owner's answer to claim, claim_done, renew_retention and release_retention from an authenticated
+    peer (``reader``: its connection, which open claims are counted against); renewed handles are signed."""
     if authority is None:
         return {"op": "refused", "reason": "NoRetention",
                 "message": "this owner keeps no retention ledger; recompute"}
+    op = message["op"]
     try:
-        if message["op"] == "claim":
+        if op == "claim":
+            ids, digests = field(message, "block_ids", list), field(message, "digests", list)
+            if len(ids) > MAX_CLAIM_BLOCKS or len(digests) > MAX_CLAIM_BLOCKS:
+                raise ProtocolError(f"a claim names at most {MAX_CLAIM_BLOCKS} blocks")
             # Lists straight from msgpack: the authority compares them with what it issued, element-wise.
-            granted = authority.claim(str(message["handle_id"]), int(message["generation"]), message["block_ids"],
-                                      message["digests"], reader=str(message.get("reader", "")))
+            granted = authority.claim(field(message, "handle_id", str), field(message, "generation", int),
+                                      ids, digests, reader=reader)
             return {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
                     "num_tokens": granted.num_tokens}
-        if message["op"] == "renew_retention":  # whoever holds the unguessable handle id may keep it alive...
-            ttl = message.get("ttl_s")
-            renewed = authority.renew(str(message["handle_id"]), None if ttl is None else float(ttl))
-            return {"op": "renewed", "kv_transfer_params": renewed.to_kv_transfer_params()}
-        if message["op"] == "release_retention":  # ...or let it go early
-            return {"op": "released", "released": bool(authority.release(str(message["handle_id"])))}
-        claim_id = str(message["claim_id"])
-        if message.get("ok"):
+        if op == "renew_retention":  # clamped to the authority's maximum TTL
+            renewed = authority.renew(field(message, "handle_id", str), _ttl(message))
+            return {"op": "renewed", "kv_transfer_params": renewed.to_kv_transfer_params(secret)}
+        if op == "release_retention":
+            return {"op": "released", "released": bool(authority.release(field(message, "handle_id", str)))}
+        claim_id = field(message, "claim_id", str)
+        if field(message, "ok", bool):
             authority.complete(claim_id)
         else:
             authority.abort(claim_id)
         return {"op": "claim_done"}
+    except ProtocolError as exc:
+        return {"op": "refused", "reason": "MalformedClaim", "message": f"malformed {op} message: {exc}"}
     except KVShuttleError as exc:
         return {"op": "refused", "reason": type(exc).__name__, "message": str(exc)}
     except (KeyError, TypeError, ValueError) as exc:
-        return {"op": "refused", "reason": "MalformedClaim", "message": f"malformed claim message: {exc}"}
+        return {"op": "refused", "reason": "MalformedClaim", "message": f"malformed {op} message: {exc}"}
 
 
 def ticket_from_reply(reply: dict[str, Any], address: str) -> ClaimTicket:

@@ -1,53 +1,57 @@
-"""What a router says to a decode over its side channel, with no NIXL agent and no KV cache of its own:
-take a published handle, renew a conversation's retention, release it.
+"""The retention operations a decode's side channel answers besides reads: take a published handle, renew a
+conversation's retention, release it. One implementation of each (``ask_*``, over any requester: a router's
+short-lived :class:`Connection` or a reader's connected :class:`~kvshuttle.transfer.Peer`), and the router's
+NIXL-free entry points (``take_published``, ``renew_retention``, ``release_retention``), which open one
+authenticated connection per call.
 
-Each call opens one short-lived side-channel connection (the same ZMQ DEALER, monitor and heartbeats as a
-reader's), so a dead or frozen decode fails fast with :class:`PeerUnreachableError` / :class:`PeerLostError`
-instead of hanging a router's request. Blocking: call them from a thread in an async server
+Handles are authenticated before anything is sent: params whose MAC does not verify under the deployment secret
+never cause a connection. A dead or frozen decode fails fast with :class:`PeerUnreachableError` /
+:class:`PeerLostError` instead of hanging. Blocking: call them from a thread in an async server
 (``asyncio.to_thread``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from ..errors import shown
 from ..policy import KVHandle, parse_handle
+from ..trust import DeploymentSecret
 from .board import check_publish_key
 from .errors import ProtocolError, TransferArgumentError
 from .side_channel import Connection
 
 
-def _connect(address: str) -> Connection:
-    return Connection(zmq.Context.instance(), address)
+class Requester(Protocol):
+    """Sends one request and waits for its reply (``Connection``, ``Peer``)."""
+
+    @property
+    def address(self) -> str: ...
+
+    def request(self, message: dict[str, Any], timeout: float, what: str) -> dict[str, Any]: ...
 
 
-def _handle(kv_transfer_params: Any) -> KVHandle:
-    handle = parse_handle(kv_transfer_params)
+def connect(address: str, secret: DeploymentSecret | None = None) -> Connection:
+    """An authenticated side-channel connection to ``address`` (the caller closes it)."""
+    return Connection(zmq.Context.instance(), address, secret=secret or DeploymentSecret.resolve())
+
+
+def authenticated_handle(kv_transfer_params: Any, secret: DeploymentSecret) -> KVHandle:
+    """The handle in ``kv_transfer_params`` if a member of this deployment issued it; TransferArgumentError else."""
+    handle = parse_handle(kv_transfer_params, secret=secret)
     if not isinstance(handle, KVHandle):
-        raise TransferArgumentError(f"no kvshuttle handle in these kv_transfer_params: {handle.message}")
+        raise TransferArgumentError(f"no usable kvshuttle handle in these kv_transfer_params: {handle.message}")
     return handle
 
 
-def take_published(address: str, key: str, timeout_s: float = 2.0, poll_s: float = 0.02) -> dict[str, Any] | None:
-    """The ``kv_transfer_params`` the owner at ``address`` published under ``key``, waiting up to ``timeout_s``.
-
-    None when nothing was published in time, or the owner published "nothing retained". A found entry is
-    removed: exactly one caller gets it.
-    """
+# -- one implementation per operation ---------------------------------------------------------------------------
+def ask_published(conn: Requester, key: str, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any] | None:
+    """The params the owner published under ``key`` (taken: exactly one caller gets them), polling up to
+    ``timeout_s``; None when nothing was published in time, or "nothing retained" was."""
     check_publish_key(key)
-    conn = _connect(address)
-    try:
-        return ask_published(conn, key, timeout_s, poll_s)
-    finally:
-        conn.close()
-
-
-def ask_published(conn: Connection, key: str, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any] | None:
-    """:func:`take_published` over a connection the caller keeps (a router keeps one per decode)."""
     deadline = time.monotonic() + timeout_s
     while True:
         reply = conn.request({"op": "take_published", "key": key}, max(0.5, deadline - time.monotonic()),
@@ -62,39 +66,67 @@ def ask_published(conn: Connection, key: str, timeout_s: float, poll_s: float = 
         time.sleep(poll_s)
 
 
-def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None, timeout_s: float = 2.0,
-                    unknown_grace_s: float = 1.0) -> dict[str, Any] | None:
-    """Keep the decode's retention of this handle for another ``ttl_s`` (default: the decode's TTL).
+def ask_renewal(conn: Requester, handle: KVHandle, ttl_s: float | None, timeout_s: float,
+                unknown_grace_s: float = 1.0) -> dict[str, Any] | None:
+    """Renew ``handle`` for ``ttl_s`` (None: the owner's TTL; the owner clamps it to its maximum): the refreshed,
+    signed params, or None when the owner no longer holds them.
 
-    The refreshed params (same blocks, later expiry), or None when the decode no longer holds them (expired,
-    evicted, released, consumed). A handle the decode does not know yet is asked again for up to
-    ``unknown_grace_s``: its ledger learns of a handle one engine step after the answer that carried it, so a
-    renewal sent right after a turn can arrive first. TransferArgumentError for params holding no handle.
-    """
-    handle = _handle(kv_transfer_params)
-    message = {"op": "renew_retention", "handle_id": handle.handle_id, "ttl_s": ttl_s}
-    conn = _connect(f"tcp://{handle.host}:{handle.port}")
-    try:
-        grace_until = time.monotonic() + unknown_grace_s
+    A handle the owner does not know yet is asked again for up to ``unknown_grace_s``: its ledger learns of a
+    handle one engine step after the answer that carried it, so a renewal right after a turn can arrive first."""
+    if ttl_s is not None and not (type(ttl_s) in (int, float) and 0 < ttl_s < 1e9):
+        raise TransferArgumentError(f"ttl_s must be a positive number of seconds, got {shown(ttl_s)}")
+    message = {"op": "renew_retention", "handle_id": handle.handle_id,
+               "ttl_s": None if ttl_s is None else float(ttl_s)}
+    grace_until = time.monotonic() + unknown_grace_s
+    reply = conn.request(message, timeout_s, "a renewal")
+    while reply.get("reason") == "UnknownHandleError" and time.monotonic() < grace_until:
+        time.sleep(0.05)
         reply = conn.request(message, timeout_s, "a renewal")
-        while reply.get("reason") == "UnknownHandleError" and time.monotonic() < grace_until:
-            time.sleep(0.05)
-            reply = conn.request(message, timeout_s, "a renewal")
-    finally:
-        conn.close()
     params = reply.get("kv_transfer_params") if reply.get("op") == "renewed" else None
     return dict(params) if isinstance(params, dict) else None
 
 
-def release_retention(kv_transfer_params: Any, timeout_s: float = 2.0) -> bool:
-    """Let the decode free this handle's blocks now; False when there was nothing (left) to free.
+def ask_release(conn: Requester, handle: KVHandle, timeout_s: float) -> bool:
+    """Let the owner free ``handle``'s blocks now; False when there was nothing (left) to free.
 
-    The decode's ledger cannot tell a handle it has not learned yet (one engine step after the answer) from one
+    The owner's ledger cannot tell a handle it has not learned yet (one engine step after the answer) from one
     already gone, so a release sent in that instant returns False and the blocks stay until their TTL."""
-    handle = _handle(kv_transfer_params)
-    conn = _connect(f"tcp://{handle.host}:{handle.port}")
+    reply = conn.request({"op": "release_retention", "handle_id": handle.handle_id}, timeout_s, "a release")
+    return reply.get("op") == "released" and bool(reply.get("released"))
+
+
+# -- a router's entry points (a connection per call) ------------------------------------------------------------
+def take_published(address: str, key: str, timeout_s: float = 2.0, poll_s: float = 0.02, *,
+                   secret: DeploymentSecret | None = None) -> dict[str, Any] | None:
+    """:func:`ask_published` over a connection of its own to ``address``."""
+    check_publish_key(key)
+    conn = connect(address, secret)
     try:
-        reply = conn.request({"op": "release_retention", "handle_id": handle.handle_id}, timeout_s, "a release")
+        return ask_published(conn, key, timeout_s, poll_s)
     finally:
         conn.close()
-    return reply.get("op") == "released" and bool(reply.get("released"))
+
+
+def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None, timeout_s: float = 2.0,
+                    unknown_grace_s: float = 1.0, *, secret: DeploymentSecret | None = None) -> dict[str, Any] | None:
+    """:func:`ask_renewal` of the handle in ``kv_transfer_params`` (authenticated first: TransferArgumentError
+    for params that hold no handle of this deployment, before any connection)."""
+    secret = secret or DeploymentSecret.resolve()
+    handle = authenticated_handle(kv_transfer_params, secret)
+    conn = connect(f"tcp://{handle.host}:{handle.port}", secret)
+    try:
+        return ask_renewal(conn, handle, ttl_s, timeout_s, unknown_grace_s)
+    finally:
+        conn.close()
+
+
+def release_retention(kv_transfer_params: Any, timeout_s: float = 2.0, *,
+                      secret: DeploymentSecret | None = None) -> bool:
+    """:func:`ask_release` of the handle in ``kv_transfer_params`` (authenticated first, as for renewals)."""
+    secret = secret or DeploymentSecret.resolve()
+    handle = authenticated_handle(kv_transfer_params, secret)
+    conn = connect(f"tcp://{handle.host}:{handle.port}", secret)
+    try:
+        return ask_release(conn, handle, timeout_s)
+    finally:
+        conn.close()

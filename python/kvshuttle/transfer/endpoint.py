@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ import zmq
 
 from ..core.layout import PagedKVCache
 from ..core.plan import SideGeometry
+from ..trust import DeploymentSecret
 from ._nixl import NixlAgent, NixlCallError, NixlDescList, NixlRegistration, mem_type_of
 from .config import EngineConfig
 from .errors import TransferArgumentError, TransferError
@@ -42,6 +44,7 @@ class Endpoint:
             self.config = config = replace(config, name=f"kvshuttle-{uuid.uuid4().hex[:12]}")
         assert config.name is not None
         self.name = config.name
+        self.secret = config.secret or DeploymentSecret.resolve()  # authenticates the side channel and handles
         self.cache = cache
         self.mem_type, self.device_id = mem_type_of(cache.geometry.device)
         self.side = SideGeometry.from_cache(cache, self.device_id)
@@ -55,6 +58,7 @@ class Endpoint:
         self._registrations: list[NixlRegistration] = []
         self._local_dlist: NixlDescList | None = None
         self._peers: dict[str, Peer] = {}
+        self._peers_lock = threading.RLock()  # readers on several threads connect and forget peers
         self._active: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
         self._zmq: zmq.Context[Any] = zmq.Context()
         self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-unpack")
@@ -120,14 +124,16 @@ class Endpoint:
 
     def _forget(self, peer: Peer) -> None:
         """Drop a peer: its NIXL remote state and its connections (never raises)."""
-        if not peer.connected:
-            return
-        peer.connected = False
-        self._peers.pop(peer.agent_name, None)
-        try:
-            if peer.remote_dlist is not None:
-                self._agent.release_dlist(peer.remote_dlist)
-            self._agent.remove_remote(peer.agent_name)
-        except NixlCallError as exc:
-            log.debug("kvshuttle: forgetting peer %s: %s", peer.address, exc)
+        with self._peers_lock:
+            if not peer.connected:
+                return
+            peer.connected = False
+            if self._peers.get(peer.agent_name) is peer:
+                del self._peers[peer.agent_name]
+            try:
+                if peer.remote_dlist is not None:
+                    self._agent.release_dlist(peer.remote_dlist)
+                self._agent.remove_remote(peer.agent_name)
+            except NixlCallError as exc:
+                log.debug("kvshuttle: forgetting peer %s: %s", peer.address, exc)
         peer.close_connections()

@@ -44,6 +44,11 @@ class PeerUnreachableError(TransferError):
     """Nothing answers on the peer's side channel (connection refused, or no answer within the timeout)."""
 
 
+class PeerAuthError(PeerUnreachableError):
+    """The authenticated handshake failed: the other side does not hold this deployment's secret (or runs a
+    kvshuttle without authentication). Nothing was sent to it; configure the same KVSHUTTLE_SECRET on both."""
+
+
 class IncompatiblePeerError(TransferError):
     """The two caches cannot exchange blocks (dtype, head size, layer count, MLA vs K/V, path)."""
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ._nixl import NixlCallError
 from .board import HandleBoard
 from .claims import ClaimAuthority
+from .config import check_serving_trust
 from .endpoint import Endpoint
 from .errors import SideChannelError, TransferError
 from .owner_service import OwnerService
@@ -30,9 +31,11 @@ class OwnerRole(Endpoint):
     _board: HandleBoard | None = None
 
     def serve(self) -> str:
-        """Start answering readers on the side channel; returns its address (``tcp://host:port``)."""
+        """Start answering readers on the side channel; returns its address (``tcp://host:port``, the advertised
+        host). TrustError when the bind address needs a deployment secret that is not configured."""
         self._check_open()
         if self._server is None:
+            advertised = check_serving_trust(self.config, self.secret)
             try:
                 metadata = self._agent.metadata()
             except NixlCallError as exc:
@@ -40,9 +43,12 @@ class OwnerRole(Endpoint):
             staging = StagingInfo(self.pool.slot_bytes, self.pool.slots, self.pool_mem, self.pool_device)
             info = PeerInfo(self.name, metadata, self.side, self.cache.geometry, self.mem_type, staging)
             self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
-                                       self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims)
+                                       self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims,
+                                       secret=self.secret, max_jobs=self.config.max_jobs_per_peer)
             try:
-                self._server = SideChannelServer(self._zmq, self.config.host, self.config.port, self._owner.answer)
+                self._server = SideChannelServer(self._zmq, self.config.host, self.config.port, self._owner.answer,
+                                                 secret=self.secret, advertise_host=advertised,
+                                                 max_message_bytes=self.config.max_message_bytes)
             except OSError as exc:
                 raise SideChannelError(str(exc)) from exc
             self._owner.server = self._server

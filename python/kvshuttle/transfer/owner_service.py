@@ -1,5 +1,11 @@
 """The owner's side of the side channel: handshake, ping, and packing blocks into staging for readers.
 
+Every request comes from a peer the side channel authenticated (CURVE), identified by its connection; nothing
+in a message is trusted beyond that. Each op's fields are checked for type and range before use; a pack must
+name a live claim and only blocks that claim covers (when the owner keeps a ledger): the claim id is an
+unguessable capability that only ever travelled, encrypted, to the peer that claimed. A pack's chunks must fit a
+staging slot, and one connection may hold at most ``max_jobs`` packs in progress.
+
 A ``pack`` request starts a :class:`PackJob` thread. The job packs chunk after chunk into the staging
 slots it reserved, announces each (``ready``) and reuses a slot when the reader ``release``\\ s it, so the
 owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on
@@ -19,29 +25,37 @@ from ..core import ops
 from ..core.blocks import as_ids, blocks_hold_tokens, check_ids
 from ..core.layout import PagedKVCache
 from ..errors import BlockIdError, KVShuttleError, LayoutError
+from ..trust import DeploymentSecret
 from .board import HandleBoard, serve_take
-from .claims import ClaimAuthority, serve_claim
-from .errors import StagingExhaustedError
+from .claims import ClaimAuthority, ClaimRefusedError, serve_claim
+from .errors import ProtocolError, StagingExhaustedError
 from .side_channel import SideChannelServer
 from .staging import StagingPool, layout_from_wire, plan_chunks
-from .wire import PeerInfo
+from .wire import PROTOCOL_VERSION, PeerInfo, field
 
 log = logging.getLogger(__name__)
+MAX_WINDOW = 64  # staging slots one pack may hold at once (the pool's size bounds it further)
 
 
-def _validate(cache: PagedKVCache, request: dict[str, Any]) -> None:
+def _validate(cache: PagedKVCache, slot_bytes: int, request: dict[str, Any]) -> None:
     """Check a pack request against this cache before reserving anything (named errors)."""
     g = cache.geometry
-    ids = check_ids(as_ids(request["ids"]), g.num_blocks, "owner")
-    tokens, per_chunk = request["num_tokens"], request["chunk_tokens"]
-    if not blocks_hold_tokens(int(ids.size), g.block_size, tokens) or tokens == 0:
+    ids = check_ids(as_ids(field(request, "ids", list)), g.num_blocks, "owner")
+    tokens = field(request, "num_tokens", int, 1)
+    per_chunk = field(request, "chunk_tokens", int, 1)
+    if not blocks_hold_tokens(int(ids.size), g.block_size, tokens):
         raise BlockIdError(f"{ids.size} owner blocks of {g.block_size} tokens cannot hold {tokens} tokens")
-    layout = layout_from_wire(request["layout"])
-    offset = int(request.get("head_offset", 0))
+    layout = layout_from_wire(field(request, "layout", dict))
+    offset = field(request, "head_offset", int, 0, g.num_heads)
     if not 0 <= offset <= g.num_heads - layout.num_heads:
         raise LayoutError(f"heads [{offset}, {offset + layout.num_heads}) outside the owner's {g.num_heads}")
-    if type(per_chunk) is not int or per_chunk <= 0 or per_chunk % g.block_size or per_chunk % layout.block_size:
+    if per_chunk % g.block_size or per_chunk % layout.block_size:
         raise LayoutError(f"chunk of {per_chunk} tokens is not whole owner blocks and staging units")
+    first = plan_chunks(min(tokens, per_chunk), per_chunk, g.block_size, g.block_size, layout, g.num_planes,
+                        g.row_bytes)[0]
+    if first.nbytes > slot_bytes:  # it would spill into the next slots, which other readers are reading
+        raise LayoutError(f"a chunk of {per_chunk} tokens needs {first.nbytes} staging bytes, more than a slot's "
+                          f"{slot_bytes}")
 
 
 class PackJob:
@@ -55,7 +69,7 @@ class PackJob:
         self.ids = as_ids(request["ids"])
         self.num_tokens = int(request["num_tokens"])
         self.layout = layout_from_wire(request["layout"])
-        self.head_offset = int(request.get("head_offset", 0))
+        self.head_offset = int(request["head_offset"])
         self.chunks = plan_chunks(self.num_tokens, int(request["chunk_tokens"]), g.block_size, g.block_size,
                                   self.layout, g.num_planes, g.row_bytes)
         self.slots = slots
@@ -136,9 +150,10 @@ class OwnerService:
 
     def __init__(self, cache: PagedKVCache, pool: StagingPool, info: Callable[[], PeerInfo],
                  lease_s: float, pack_delay_s: float = 0.0, depth: int = 2,
-                 claims: ClaimAuthority | None = None) -> None:
+                 claims: ClaimAuthority | None = None, *, secret: DeploymentSecret, max_jobs: int = 8) -> None:
         self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
+        self.secret, self.max_jobs = secret, max_jobs
         self.board: HandleBoard | None = None  # handles published for a router (see board.py)
         self.server: SideChannelServer | None = None
         self._jobs: dict[tuple[bytes, str], PackJob] = {}
@@ -162,38 +177,70 @@ class OwnerService:
             job.thread.join(timeout)
 
     def answer(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any] | None:
+        """One authenticated peer's request (``identity``: its connection) -> the reply, or None for none."""
         op = message["op"]
         if op == "hello":
+            protocol = message.get("protocol")
+            if protocol != PROTOCOL_VERSION:
+                return {"op": "error", "kind": "protocol_version", "protocol": PROTOCOL_VERSION,
+                        "message": f"this owner speaks kvshuttle side-channel protocol {PROTOCOL_VERSION}, the "
+                                   f"reader {str(protocol)[:20]}; run the same kvshuttle version on both sides"}
             return self._info().to_wire()
         if op == "ping":
             return {"op": "pong", "jobs": self.active_jobs}
         if op == "pack":
             return self._pack(identity, message)
         if op in ("claim", "claim_done", "renew_retention", "release_retention"):  # "release" frees a chunk
-            return serve_claim(self.claims, message)
+            return serve_claim(self.claims, message, reader=identity.hex(), secret=self.secret)
         if op == "take_published":
             return serve_take(self.board, message)
         if op in ("release", "abort"):
+            tid, chunk = message.get("tid"), message.get("chunk", 0)
+            if not isinstance(tid, str) or type(chunk) is not int:
+                raise ProtocolError(f"{op} needs a string 'tid' and an int 'chunk'")
             with self._lock:
-                job = self._jobs.get((identity, str(message.get("tid"))))
+                job = self._jobs.get((identity, tid))  # only the connection that asked can touch its job
             if job is not None:
                 if op == "release":
-                    job.release(int(message["chunk"]))
+                    job.release(chunk)
                 else:
                     job.abort()
             return None
-        return {"op": "error", "kind": "protocol", "message": f"unknown side-channel op {op!r}"}
+        return {"op": "error", "kind": "protocol", "message": f"unknown side-channel op {op[:40]!r}"}
+
+    def _authorize(self, identity: bytes, message: dict[str, Any]) -> None:
+        """A pack covers only blocks of a live claim (owners with a ledger)."""
+        if self.claims is None:
+            return  # a bare engine (benchmarks, tests): authenticated peers may read any registered byte anyway
+        try:
+            held = self.claims.claimed_blocks(field(message, "claim_id", str))
+        except KVShuttleError as exc:
+            raise ClaimRefusedError(f"no live claim covers this pack: {exc}", type(exc).__name__) from None
+        if not set(message["ids"]) <= set(held):
+            raise ClaimRefusedError("the pack names blocks outside its claim", "OutsideClaim")
 
     def _pack(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any]:
-        tid = str(message["tid"])
+        tid = message.get("tid")
+        if not isinstance(tid, str) or not 0 < len(tid) <= 64:
+            return {"op": "error", "tid": None, "kind": "protocol", "message": "pack needs a 'tid' of 1..64 chars"}
         if self.pool.slots == 0:
             return {"op": "error", "tid": tid, "kind": "no_staging",
                     "message": "this owner has no staging (staging_chunks=0); read with path='direct'"}
+        with self._lock:
+            mine = sum(1 for who, _ in self._jobs if who == identity)
+            duplicate = (identity, tid) in self._jobs
+        if mine >= self.max_jobs or duplicate:
+            why = "that tid is in progress" if duplicate else f"{mine} packs of this connection are in progress"
+            return {"op": "error", "tid": tid, "kind": "too_many_jobs", "message": f"{why}; wait for them"}
         try:
-            _validate(self.cache, message)
-            slots = self.pool.reserve(min(int(message.get("window", self.depth)), 64), "owner")
+            _validate(self.cache, self.pool.slot_bytes, message)
+            self._authorize(identity, message)
+            window = field(message, "window", int, 1, MAX_WINDOW)
+            slots = self.pool.reserve(window, "owner")
         except StagingExhaustedError as exc:
             return {"op": "error", "tid": tid, "kind": "staging_exhausted", "message": str(exc)}
+        except ClaimRefusedError as exc:
+            return {"op": "error", "tid": tid, "kind": "claim", "message": str(exc)}
         except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
             return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
         try:

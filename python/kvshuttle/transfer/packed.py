@@ -76,6 +76,7 @@ class PackedSetup:
     deadline: float
     prep_time: float
     reason: str
+    claim_id: str | None = None  # the claim covering remote_ids (owners with a ledger pack only claimed blocks)
 
 
 class _Stopped(Exception):
@@ -132,7 +133,8 @@ class _Pipeline:
             self._conn.send({"op": "pack", "tid": transfer_id, "ids": setup.remote_ids.tolist(),
                              "num_tokens": setup.num_tokens, "layout": layout_to_wire(setup.layout),
                              "head_offset": setup.remote_head_offset, "chunk_tokens": setup.chunk_tokens,
-                             "window": setup.depth})
+                             "window": setup.depth, **({} if setup.claim_id is None else
+                                                       {"claim_id": setup.claim_id})})
         except PeerLostError as exc:
             setup.pool.release(self._slots)
             setup.peer.checkin(self._conn, False)

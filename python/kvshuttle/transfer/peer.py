@@ -8,7 +8,9 @@ from typing import Any
 
 import zmq
 
+from ..trust import DeploymentSecret
 from ._nixl import NixlDescList
+from .errors import PeerLostError
 from .side_channel import Connection
 from .wire import PeerInfo
 
@@ -23,7 +25,8 @@ class Peer:
     info: PeerInfo
     agent_name: str
     layout_difference: str | None  # why a direct read is impossible, or None
-    conn: Connection = field(repr=False)  # the caller's thread: claims, pings
+    conn: Connection = field(repr=False)  # claims, pings (one request at a time: ``conn_lock``)
+    secret: DeploymentSecret = field(repr=False)
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 1.0
     remote_dlist: NixlDescList | None = field(default=None, repr=False)
@@ -31,15 +34,26 @@ class Peer:
     lost: str | None = None
     _streams: list[Connection] = field(default_factory=list, repr=False)  # idle packed-read connections
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    conn_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # ZMQ sockets are single-threaded
 
     def watch(self) -> str | None:
         """Why the owner is gone (a dropped connection or a silent heartbeat), or None while it is alive."""
         if self.lost is None:
-            with self._lock:
+            with self.conn_lock:
                 why = self.conn.watch()
             if why is not None:
                 self.mark_lost(why)
         return self.lost
+
+    def request(self, message: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+        """One request on the peer's own connection (serialized: callers may be on several threads); a lost
+        connection marks the peer lost."""
+        try:
+            with self.conn_lock:
+                return self.conn.request(message, timeout, what)
+        except PeerLostError as exc:
+            self.mark_lost(str(exc))
+            raise
 
     def mark_lost(self, reason: str) -> None:
         with self._lock:
@@ -54,7 +68,8 @@ class Peer:
                 if conn.watch() is None:
                     return conn
                 conn.close()
-        return Connection(context, self.address, heartbeat_s=self.heartbeat_s, peer_timeout_s=self.peer_timeout_s)
+        return Connection(context, self.address, secret=self.secret, heartbeat_s=self.heartbeat_s,
+                          peer_timeout_s=self.peer_timeout_s)
 
     def checkin(self, conn: Connection, healthy: bool) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from ..core.plan import ReadPlan, plan_read
 from ..errors import BlockIdError, StagingError, shown
 from ..policy.kv_handle import KVHandle
 from ._nixl import MemType, NixlCallError
-from .claims import ClaimRefusedError, ClaimTicket, check_done_reply, claim_request, ticket_from_reply
+from .claims import ClaimTicket, check_done_reply, claim_request, ticket_from_reply
 from .config import PATHS, Path
 from .direct import DirectRequest, DirectTransfer, all_pieces, build_initialize, build_prepped
 from .endpoint import Endpoint
@@ -88,38 +88,46 @@ class ReaderRole(Endpoint):
         self._check_open()
         wait = _timeout_arg(timeout, self.config.connect_timeout_s)
         config = self.config
-        conn = Connection(self._zmq, address, heartbeat_s=config.heartbeat_s, peer_timeout_s=config.peer_timeout_s)
+        conn = Connection(self._zmq, address, secret=self.secret, heartbeat_s=config.heartbeat_s,
+                          peer_timeout_s=config.peer_timeout_s)
         try:
             reply = conn.request({"op": "hello", "protocol": PROTOCOL_VERSION, "agent": self.name,
                                   "cache": geometry_to_wire(self.cache.geometry)}, wait, "the handshake")
+            if reply.get("op") == "error" and reply.get("kind") == "protocol_version":
+                raise IncompatiblePeerError(f"owner at {address}: {reply.get('message')}")
             if reply.get("op") == "error":
                 raise RemoteError(f"owner at {address} refused the handshake: {reply.get('message')}")
             info = PeerInfo.from_wire(reply)
             check_compatible(self.cache.geometry, info.cache)
-            existing = self._peers.get(info.agent_name)
-            if existing is not None and existing.connected and existing.watch() is None:
-                conn.close()
-                return existing
-            if existing is not None:
-                self._forget(existing)
-            name = self._agent.add_remote(info.metadata)
-            self._agent.connect(name)
-        except NixlCallError as exc:
-            conn.close()
-            raise PeerUnreachableError(f"loading the NIXL metadata of {address} failed: {exc}") from exc
         except BaseException:
             conn.close()
             raise
-        peer = Peer(address, info, name, layout_difference(self.cache.geometry, info.cache), conn,
-                    config.heartbeat_s, config.peer_timeout_s)
-        self._peers[name] = peer
+        with self._peers_lock:  # one table of peers for every thread reading through this engine
+            try:
+                existing = self._peers.get(info.agent_name)
+                if existing is not None and existing.connected and existing.watch() is None:
+                    conn.close()
+                    return existing
+                if existing is not None:
+                    self._forget(existing)
+                name = self._agent.add_remote(info.metadata)
+                self._agent.connect(name)
+            except NixlCallError as exc:
+                conn.close()
+                raise PeerUnreachableError(f"loading the NIXL metadata of {address} failed: {exc}") from exc
+            except BaseException:
+                conn.close()
+                raise
+            peer = Peer(address, info, name, layout_difference(self.cache.geometry, info.cache), conn, self.secret,
+                        config.heartbeat_s, config.peer_timeout_s)
+            self._peers[name] = peer
         return peer
 
     def ping(self, peer: Peer, timeout: float = 1.0) -> bool:
         """True when the owner answers on its side channel within ``timeout``."""
         try:
             self._live_peer(peer, ())
-            return peer.conn.request({"op": "ping"}, _timeout_arg(timeout, 1.0), "a ping").get("op") == "pong"
+            return peer.request({"op": "ping"}, _timeout_arg(timeout, 1.0), "a ping").get("op") == "pong"
         except (PeerUnreachableError, PeerLostError):
             return False
 
@@ -137,7 +145,7 @@ class ReaderRole(Endpoint):
         if count > len(handle.block_ids):
             raise TransferArgumentError(f"num_blocks={count} exceeds the handle's {len(handle.block_ids)} blocks")
         wait = _timeout_arg(timeout, self.config.connect_timeout_s)
-        reply = self._request(peer, claim_request(handle, count, self.name), wait, "a claim")
+        reply = self._request(peer, claim_request(handle, count), wait, "a claim")
         return ticket_from_reply(reply, peer.address)
 
     def finish_claim(self, peer: Peer, ticket: ClaimTicket, ok: bool, timeout: float | None = None) -> None:
@@ -151,33 +159,6 @@ class ReaderRole(Endpoint):
         if ok:
             check_done_reply(reply, peer.address)
 
-    def renew_retention(self, peer: Peer, handle: KVHandle, ttl_s: float | None = None,
-                        timeout: float | None = None) -> dict[str, Any]:
-        """Keep the owner's retention of ``handle`` alive for another ``ttl_s`` (default: its ledger's TTL;
-        never shortened); returns the refreshed ``kv_transfer_params``. ClaimRefusedError if it is gone."""
-        self._check_open()
-        self._live_peer(peer, ())
-        if not isinstance(handle, KVHandle):
-            raise TransferArgumentError(f"renew_retention() needs a KVHandle, got {type(handle).__name__}")
-        ttl = None if ttl_s is None else _timeout_arg(ttl_s, 0.0, "ttl_s")
-        reply = self._request(peer, {"op": "renew_retention", "handle_id": handle.handle_id, "ttl_s": ttl},
-                              _timeout_arg(timeout, self.config.connect_timeout_s), "a renewal")
-        if reply.get("op") != "renewed" or not isinstance(reply.get("kv_transfer_params"), dict):
-            raise ClaimRefusedError(f"owner at {peer.address} did not renew: {reply.get('message')}",
-                                    str(reply.get("reason", "Unknown")))
-        params: dict[str, Any] = reply["kv_transfer_params"]
-        return params
-
-    def release_retention(self, peer: Peer, handle: KVHandle, timeout: float | None = None) -> bool:
-        """Let the owner free ``handle``'s blocks now (a conversation ended); False if it was already gone."""
-        self._check_open()
-        self._live_peer(peer, ())
-        if not isinstance(handle, KVHandle):
-            raise TransferArgumentError(f"release_retention() needs a KVHandle, got {type(handle).__name__}")
-        reply = self._request(peer, {"op": "release_retention", "handle_id": handle.handle_id},
-                              _timeout_arg(timeout, self.config.connect_timeout_s), "a release")
-        return reply.get("op") == "released" and bool(reply.get("released"))
-
     def disconnect(self, peer: Peer) -> None:
         """Forget ``peer`` (its NIXL state and connections). Idempotent."""
         if isinstance(peer, Peer):
@@ -186,14 +167,15 @@ class ReaderRole(Endpoint):
     def read(self, peer: Peer, local_ids: Any, remote_ids: Any, *, num_tokens: int | None = None,
              path: Path = "auto", notify: bytes = b"", timeout: float | None = None,
              num_heads: int | None = None, local_head_offset: int = 0,
-             remote_head_offset: int = 0) -> TransferHandle:
+             remote_head_offset: int = 0, claim: ClaimTicket | None = None) -> TransferHandle:
         """Start reading the owner's blocks ``remote_ids`` into local blocks ``local_ids`` (in order).
 
         ``num_tokens`` (default: every slot) may end inside the last block; the direct path copies whole
         blocks. ``num_heads``/``*_head_offset`` read a head slice (tensor-parallel shards; packed path).
         ``path="auto"`` picks packed for small descriptors or differing layouts, else direct
         (``handle.path`` and ``telemetry.reason`` say which and why). ``notify`` is delivered to the owner
-        with the completion notification. Every argument is checked before anything is posted: a bad one
+        with the completion notification. ``claim``: the claim covering ``remote_ids`` (an owner that keeps a
+        retention ledger packs only claimed blocks). Every argument is checked before anything is posted: a bad one
         raises a named error (``TransferArgumentError``, ``BlockRangeError``...) and nothing is written.
         """
         started = time.perf_counter()
@@ -203,6 +185,9 @@ class ReaderRole(Endpoint):
             raise TransferArgumentError(f"path must be one of {PATHS}, not {shown(path)}", _loose_ids(local_ids))
         if not isinstance(notify, bytes):
             raise TransferArgumentError(f"notify must be bytes, got {type(notify).__name__}", _loose_ids(local_ids))
+        if claim is not None and not isinstance(claim, ClaimTicket):
+            raise TransferArgumentError(f"claim must be a ClaimTicket, got {type(claim).__name__}",
+                                        _loose_ids(local_ids))
         wait = _timeout_arg(timeout, self.config.transfer_timeout_s)
         lids, rids, tokens = self._check_read_ids(peer, local_ids, remote_ids, num_tokens)
         g, rc = self.cache.geometry, peer.info.cache
@@ -232,7 +217,7 @@ class ReaderRole(Endpoint):
         else:
             layout = StagingLayout(g.block_size, heads, g.order)
             handle = self._read_packed(peer, transfer_id, lids, rids, tokens, layout, local_offset,
-                                       remote_offset, reason, notify, deadline, started)
+                                       remote_offset, reason, notify, deadline, started, claim)
         self._active.add(handle)
         return handle
 
@@ -250,9 +235,8 @@ class ReaderRole(Endpoint):
 
     def _request(self, peer: Peer, message: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
         try:
-            return peer.conn.request(message, timeout, what)
-        except PeerLostError as exc:
-            peer.mark_lost(str(exc))
+            return peer.request(message, timeout, what)
+        except PeerLostError:
             self._forget(peer)
             raise
 
@@ -341,7 +325,7 @@ class ReaderRole(Endpoint):
     def _read_packed(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
                      rids: npt.NDArray[np.int64], tokens: int, layout: StagingLayout, local_head_offset: int,
                      remote_head_offset: int, reason: str, notify: bytes, deadline: float,
-                     started: float) -> TransferHandle:
+                     started: float, claim: ClaimTicket | None) -> TransferHandle:
         g, rc = self.cache.geometry, peer.info.cache
         slot_bytes = min(self.pool.slot_bytes, peer.info.staging.slot_bytes)
         try:
@@ -358,6 +342,7 @@ class ReaderRole(Endpoint):
             local_head_offset=local_head_offset, remote_head_offset=remote_head_offset, chunk_tokens=per_chunk,
             chunks=chunks, depth=max(1, self.config.pipeline_depth), notify=notify, deadline=deadline,
             prep_time=time.perf_counter() - started, reason=reason,
+            claim_id=None if claim is None else claim.claim_id,
         )
         try:
             return PackedTransfer(transfer_id, setup, started)

@@ -1,4 +1,10 @@
-"""The side channel: ZMQ ROUTER (owner) / DEALER (reader) sockets carrying msgpack maps.
+"""The side channel: ZMQ ROUTER (owner) / DEALER (reader) sockets carrying msgpack maps, authenticated.
+
+Every connection is CurveZMQ under the deployment's key pair (:mod:`kvshuttle.trust`): the owner's ZAP handler
+admits only clients that prove they hold the deployment secret, and a client reaches only owners that hold it
+(it pins the owner's public key), before a single message is exchanged; the channel is encrypted, so the NIXL
+agent metadata of the handshake (one-sided READ access to every registered byte) never crosses in the clear.
+The owner's socket drops any message over ``max_message_bytes``, and decoding bounds what a message expands to.
 
 The owner runs one server thread. It answers requests (handshake, ping, pack, release, abort) through a
 handler, and forwards messages that worker threads emit (``chunk ready``) to the reader that asked. ZMQ
@@ -17,29 +23,58 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import shown
-from .errors import PeerLostError, PeerUnreachableError, ProtocolError, TransferArgumentError
+from ..trust import DeploymentSecret
+from .errors import PeerAuthError, PeerLostError, PeerUnreachableError, ProtocolError, TransferArgumentError
 from .wire import decode, encode
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
 _ids = itertools.count()
+ZAP_DOMAIN = "kvshuttle"
+CLIENT_MAX_MESSAGE_BYTES = 64 << 20  # what a reader accepts from an authenticated owner (handshake metadata)
+
+
+class _DeploymentKeys:
+    """The ZAP handler's check: a client is admitted iff it proved it holds the deployment's CURVE key."""
+
+    def __init__(self, public_key: bytes) -> None:
+        self._public = public_key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return domain == ZAP_DOMAIN and key == self._public
 
 
 class SideChannelServer:
     """A ROUTER socket on ``tcp://host:port`` served by one daemon thread (port 0: a free port)."""
 
-    def __init__(self, context: zmq.Context[Any], host: str, port: int, handler: Handler) -> None:
+    def __init__(self, context: zmq.Context[Any], host: str, port: int, handler: Handler, *,
+                 secret: DeploymentSecret, advertise_host: str | None = None,
+                 max_message_bytes: int = 4 << 20) -> None:
         self._context = context
         self._handler = handler
         self._stop = threading.Event()
         self._events_address = f"inproc://kvshuttle-events-{id(self)}-{next(_ids)}"
+        public, private = secret.curve_keys()
+        # One ZAP handler per context (libzmq asks inproc://zeromq.zap.01 of the socket's own context).
+        self._auth = ThreadAuthenticator(context, log=logging.getLogger(__name__ + ".zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_DeploymentKeys(public))
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._router.setsockopt(zmq.CURVE_SERVER, 1)
+        self._router.setsockopt(zmq.CURVE_SECRETKEY, private)
+        self._router.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        self._router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        self._router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never admit
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a larger message drops its connection
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, 2000)  # a client that never finishes the handshake is cut
+        self._router.setsockopt(zmq.SNDHWM, 1000)  # replies to a reader that stopped reading are dropped
         try:
             if port == 0:
                 port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -47,9 +82,11 @@ class SideChannelServer:
                 self._router.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
             self._router.close()
+            self._auth.stop()
             raise OSError(f"cannot bind the kvshuttle side channel on {host}:{port}: {exc} "
                           "(port in use? pass port=0 to pick a free one)") from exc
         self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
         self._events = context.socket(zmq.PULL)
         self._events.setsockopt(zmq.LINGER, 0)
         self._events.bind(self._events_address)
@@ -58,7 +95,8 @@ class SideChannelServer:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        """Where readers reach this server (the advertised host, which may differ from the bind)."""
+        return f"tcp://{self.advertise_host}:{self.port}"
 
     def emitter(self) -> Emitter:
         """A sender for one worker thread (create it in that thread; close it there)."""
@@ -67,6 +105,7 @@ class SideChannelServer:
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        self._auth.stop()
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -139,7 +178,10 @@ def parse_address(address: object) -> tuple[str, int]:
     return host, int(port)
 
 
-_WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
 
 class Connection:
@@ -152,13 +194,20 @@ class Connection:
     handshake raises :class:`PeerUnreachableError` at once instead of waiting for a timeout.
     """
 
-    def __init__(self, context: zmq.Context[Any], address: str, *, heartbeat_s: float = 0.5,
-                 peer_timeout_s: float = 1.0) -> None:
+    def __init__(self, context: zmq.Context[Any], address: str, *, secret: DeploymentSecret,
+                 heartbeat_s: float = 0.5, peer_timeout_s: float = 1.0,
+                 max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES) -> None:
         parse_address(address)
         self.address = address
+        self.fingerprint = secret.fingerprint
+        public, private = secret.curve_keys()
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IMMEDIATE, 0)
+        self._socket.setsockopt(zmq.CURVE_SERVERKEY, public)  # only an owner holding the secret completes it
+        self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        self._socket.setsockopt(zmq.CURVE_SECRETKEY, private)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         # at least three pings per timeout, so one late pong on a busy host does not drop a live peer
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(min(heartbeat_s, peer_timeout_s / 3) * 1000)))
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(peer_timeout_s * 1000)))
@@ -178,6 +227,7 @@ class Connection:
         self.backlog: list[dict[str, Any]] = []  # messages received while waiting for a reply
         self.ever_connected = False
         self.refused = False  # a connection attempt was refused before any succeeded
+        self.auth_failed = False  # the CURVE handshake failed: the other side is not of this deployment
         self.lost: str | None = None  # why the connection is gone, once it is
 
     # -- liveness -------------------------------------------------------------------------------------------
@@ -188,7 +238,12 @@ class Connection:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
                 break
-            if event == zmq.EVENT_CONNECTED:
+            if event & _HANDSHAKE_FAILED:
+                self.auth_failed = True
+                self.lost = (f"the authenticated handshake with {self.address} failed: it does not hold this "
+                             f"deployment's secret (fingerprint {self.fingerprint}), or runs a kvshuttle older than "
+                             "side-channel protocol 4; set the same KVSHUTTLE_SECRET on both sides")
+            elif event == zmq.EVENT_CONNECTED:
                 self.ever_connected = True
             elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
                 self.refused = True
@@ -198,7 +253,9 @@ class Connection:
         return self.lost
 
     def _raise_if_dead(self, what: str) -> None:
-        if self.watch() is not None:
+        if self.watch() is not None and self.auth_failed:
+            raise PeerAuthError(f"{self.lost} (while waiting for {what})")
+        if self.lost is not None:
             raise PeerLostError(f"{self.lost} while waiting for {what}; reconnect with engine.connect(address)")
         if self.refused:
             raise PeerUnreachableError(f"{self.address} refused the connection while waiting for {what}: is the "

@@ -15,12 +15,17 @@ import msgpack  # type: ignore[import-untyped]
 from ..core.layout import CacheGeometry, cache_kind, token_order
 from ..core.pages import direct_difference
 from ..core.plan import SideGeometry
-from ..errors import KVShuttleError
+from ..errors import KVShuttleError, shown
 from ._nixl import MemType
 from .errors import IncompatiblePeerError, ProtocolError
 
-PROTOCOL_VERSION = 3  # 3: CacheGeometry with row strides, SideGeometry with its piece format
+# 4: CURVE-authenticated channel, packs bound to claims, claims bound to the connection, hello checks the version
+PROTOCOL_VERSION = 4
 NOTIF_PREFIX = b"kvshuttle:done:"
+# What one message may expand into when decoded: msgpack turns a 1-byte empty map into a 64-byte dict, so the
+# byte cap alone does not bound memory. Every kvshuttle message has a handful of lists and maps.
+MAX_CONTAINERS = 4096
+MAX_STR_BYTES = 64 << 10
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -28,14 +33,44 @@ def encode(message: dict[str, Any]) -> bytes:
     return data
 
 
+class _Budget:
+    """Counts the lists and maps a decode builds; raising from msgpack's hooks stops the decode there."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def container(self, value: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_CONTAINERS} lists and maps")
+        return value
+
+
 def decode(data: bytes) -> dict[str, Any]:
+    """One side-channel message, with its expansion bounded (ProtocolError for anything else)."""
+    budget = _Budget()
     try:
-        message = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        message = msgpack.unpackb(data, raw=False, strict_map_key=False, list_hook=budget.container,
+                                  object_hook=budget.container, max_str_len=MAX_STR_BYTES, max_ext_len=0)
     except Exception as exc:
-        raise ProtocolError(f"undecodable side-channel message ({exc}); are both sides kvshuttle?") from exc
+        raise ProtocolError(f"undecodable side-channel message ({type(exc).__name__}: {str(exc)[:200]}); are both "
+                            "sides the same kvshuttle version?") from None
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
         raise ProtocolError("side-channel message without an 'op'; run the same kvshuttle on both sides")
     return message
+
+
+def field(message: dict[str, Any], name: str, kind: type, low: int | None = None, high: int | None = None) -> Any:
+    """``message[name]``, of exactly type ``kind`` (bool is no int) and, for ints, in ``[low, high]``."""
+    value: Any = message.get(name)
+    if type(value) is not kind:
+        raise ProtocolError(f"side-channel field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    number = int(value) if isinstance(value, int) else 0
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise ProtocolError(f"side-channel field {name!r} = {shown(value)} is outside [{low}, {high}]")
+    return value
 
 
 def geometry_to_wire(g: CacheGeometry) -> dict[str, Any]:
