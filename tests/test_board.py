@@ -15,6 +15,7 @@ from kvshuttle.policy import block_digests
 from kvshuttle.retention import RetentionLedger
 from kvshuttle.transfer.board import HandleBoard, check_publish_key, serve_take
 from kvshuttle.transfer.errors import PeerUnreachableError, TransferArgumentError
+from kvshuttle.trust import DeploymentSecret
 
 
 class FakeClock:
@@ -107,8 +108,11 @@ def owner(served: tuple[str, HandleBoard, RetentionLedger]) -> tuple[str, Handle
     return served[0], served[1]
 
 
+SECRET = DeploymentSecret.resolve()  # what the served engine and the control calls use by default
+
+
 def retained(ledger: RetentionLedger) -> dict[str, object]:
-    return ledger.retain("r1", [3, 1, 2], block_digests(list(range(40)), 16), 40, 16).to_kv_transfer_params()
+    return ledger.retain("r1", [3, 1, 2], block_digests(list(range(40)), 16), 40, 16).to_kv_transfer_params(SECRET)
 
 
 def test_renew_extends_a_retention_without_a_nixl_agent(served: tuple[str, HandleBoard, RetentionLedger]) -> None:
@@ -137,10 +141,31 @@ def test_release_frees_once_and_renewing_a_released_handle_gives_none(
 def test_renew_and_release_need_a_kvshuttle_handle(params: object) -> None:
     from kvshuttle.transfer import release_retention, renew_retention
 
-    with pytest.raises(TransferArgumentError, match="no kvshuttle handle"):
+    with pytest.raises(TransferArgumentError, match="no usable kvshuttle handle"):
         renew_retention(params)
-    with pytest.raises(TransferArgumentError, match="no kvshuttle handle"):
+    with pytest.raises(TransferArgumentError, match="no usable kvshuttle handle"):
         release_retention(params)
+
+
+def test_forged_params_are_refused_before_any_connection(served: tuple[str, HandleBoard, RetentionLedger]) -> None:
+    """An edited handle (here: pointing at a listener that counts connections) never reaches the network."""
+    import socket
+
+    from kvshuttle.transfer import release_retention, renew_retention
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    forged = {**retained(served[2]), "remote_port": listener.getsockname()[1]}
+    try:
+        for call in (renew_retention, release_retention):
+            with pytest.raises(TransferArgumentError, match="forged or edited"):
+                call(forged)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody connected
+    finally:
+        listener.close()
 
 
 def test_take_published_over_the_side_channel(owner: tuple[str, HandleBoard]) -> None:
@@ -192,9 +217,9 @@ def test_renew_waits_for_a_handle_the_decode_learns_a_moment_later(
                             {"handle_id": "late-1", "generation": 0})
     timer.start()
     try:
-        renewed = renew_retention(issued.to_kv_transfer_params(), ttl_s=60.0, unknown_grace_s=5.0)
+        renewed = renew_retention(issued.to_kv_transfer_params(SECRET), ttl_s=60.0, unknown_grace_s=5.0)
     finally:
         timer.cancel()
     assert renewed is not None and renewed["remote_block_ids"] == [4, 6, 8]
-    assert renew_retention({**issued.to_kv_transfer_params(), "kvshuttle_handle_id": "never-issued"},
-                           unknown_grace_s=0.2) is None
+    never = RetentionLedger("decode", host, int(port)).retain("r8", [5], digests[:1], 16, 16, handle_id="never-1")
+    assert renew_retention(never.to_kv_transfer_params(SECRET), unknown_grace_s=0.2) is None

@@ -48,7 +48,7 @@ def test_claim_read_and_complete(pair: dict[str, Any]) -> None:
     reader, peer, handle = pair["reader"], pair["peer"], pair["handle"]
     ticket = reader.claim(peer, handle, num_blocks=4)
     assert ticket.block_ids == handle.block_ids[:4]
-    reader.read(peer, [0, 1, 2, 3], list(ticket.block_ids)).wait(10)
+    reader.read(peer, [0, 1, 2, 3], list(ticket.block_ids), claim=ticket).wait(10)
     reader.finish_claim(peer, ticket, ok=True)
     got = pair["reader"].cache.layers[0].owner[:, [0, 1, 2, 3]]
     want = pair["owner"].cache.layers[0].owner[:, list(handle.block_ids[:4])]
@@ -81,7 +81,7 @@ def test_tampered_or_stale_claims_are_refused(pair: dict[str, Any], change: str)
     else:
         params["kvshuttle_handle_id"] = "not-a-handle"
     with pytest.raises(ClaimRefusedError):
-        pair["reader"].claim(pair["peer"], KVHandle.from_kv_transfer_params(params))
+        pair["reader"].claim(pair["peer"], KVHandle.from_kv_transfer_params(params, None))
 
 
 def test_released_handle_is_refused(pair: dict[str, Any]) -> None:

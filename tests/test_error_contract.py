@@ -41,6 +41,7 @@ from kvshuttle.policy import (
     parse_handle,
 )
 from kvshuttle.retention import RetentionArgumentError, RetentionLedger
+from kvshuttle.trust import DeploymentSecret
 
 GEO = Geo("flash_attn", "NHD", "float16", num_layers=2, num_blocks=8, block_size=4, num_heads=3, head_size=5)
 FUZZ = settings(max_examples=120, derandomize=True, database=None, deadline=None,
@@ -225,14 +226,19 @@ def test_decide(arg: str, field: str, value: Any) -> None:
     named_or_ok(lambda: decide(kwargs.pop("prompt"), **kwargs))
 
 
+CONTRACT_SECRET = DeploymentSecret(b"error-contract-deployment-secret-00001")
+
+
 @FUZZ
 @given(field=st.sampled_from(PARAM_FIELDS), value=wrong(), local=st.sampled_from([0, 16, -1, 2.5, None]))
 def test_parse_handle_and_decide_from_params(field: str, value: Any, local: Any) -> None:
-    params = {**good_handle().to_kv_transfer_params(), field: value}
+    params = {**good_handle().to_kv_transfer_params(CONTRACT_SECRET), field: value}
     for kv_params in (params, value):
-        named_or_ok(lambda p=kv_params: parse_handle(p, local_hit_tokens=local))
-        named_or_ok(lambda p=kv_params: decide_from_params(
-            [*TOKENS, 7], p, local_hit_tokens=local, now_wall=1e9, config=PolicyConfig(threshold_tokens=1)))
+        for secret in (None, CONTRACT_SECRET):  # parsing alone, and parsing then authenticating
+            named_or_ok(lambda p=kv_params, s=secret: parse_handle(p, secret=s, local_hit_tokens=local))
+            named_or_ok(lambda p=kv_params, s=secret: decide_from_params(
+                [*TOKENS, 7], p, local_hit_tokens=local, now_wall=1e9, config=PolicyConfig(threshold_tokens=1),
+                secret=s))
 
 
 CONFIG_FIELDS = ("kind", "threshold_tokens", "kv_bytes_per_token", "bandwidth_bytes_per_s", "transfer_overhead_s",

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvshuttle.policy import HandleFormatError, KVHandle
+from kvshuttle.policy import HandleAuthError, HandleFormatError, KVHandle, Reason, parse_handle
+from kvshuttle.trust import DeploymentSecret
 
 
 def handle(blocks: int = 5, tokens: int = 70) -> KVHandle:
@@ -22,7 +23,7 @@ def handle(blocks: int = 5, tokens: int = 70) -> KVHandle:
 def test_round_trip_through_json() -> None:
     original = handle()
     params = json.loads(json.dumps(original.to_kv_transfer_params()))
-    assert KVHandle.from_kv_transfer_params(params) == original
+    assert KVHandle.from_kv_transfer_params(params, None) == original
 
 
 def test_vllm_field_names_carry_the_same_meaning() -> None:
@@ -36,7 +37,7 @@ def test_vllm_field_names_carry_the_same_meaning() -> None:
 
 def test_empty_handle_round_trips() -> None:
     empty = KVHandle(**{**handle().__dict__, "block_ids": (), "digests": (), "num_tokens": 0})
-    assert KVHandle.from_kv_transfer_params(empty.to_kv_transfer_params()) == empty
+    assert KVHandle.from_kv_transfer_params(empty.to_kv_transfer_params(), None) == empty
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -48,7 +49,7 @@ def test_empty_handle_round_trips() -> None:
     ("remote_num_tokens", 90),  # more than 5 blocks of 16 hold
     ("remote_num_tokens", 64),  # the last block would be empty
     ("remote_blocks_expiry_time", float("nan")),
-    ("kvshuttle_version", 2),
+    ("kvshuttle_version", 1),  # before every field was MAC'd
     ("kvshuttle_generation", -1),
     ("kvshuttle_digests", "xyz"),
     ("kvshuttle_digest_size", 15),
@@ -59,7 +60,7 @@ def test_malformed_params_are_named_errors(field: str, value: Any) -> None:
     params = handle().to_kv_transfer_params()
     params[field] = value
     with pytest.raises(HandleFormatError):
-        KVHandle.from_kv_transfer_params(params)
+        KVHandle.from_kv_transfer_params(params, None)
 
 
 @pytest.mark.parametrize("missing", ["remote_block_ids", "remote_engine_id", "kvshuttle_digests", "kvshuttle_version"])
@@ -67,12 +68,12 @@ def test_missing_fields_are_named_errors(missing: str) -> None:
     params = handle().to_kv_transfer_params()
     del params[missing]
     with pytest.raises(HandleFormatError, match=missing):
-        KVHandle.from_kv_transfer_params(params)
+        KVHandle.from_kv_transfer_params(params, None)
 
 
 def test_not_a_dict() -> None:
     with pytest.raises(HandleFormatError):
-        KVHandle.from_kv_transfer_params(["remote_block_ids"])
+        KVHandle.from_kv_transfer_params(["remote_block_ids"], None)
 
 
 # ---------------------------------------------------------------------------- every malformed field
@@ -132,7 +133,7 @@ def test_every_malformed_field_is_a_handle_format_error(field: str, value: Any) 
     params = handle().to_kv_transfer_params()
     params[field] = value
     with pytest.raises(HandleFormatError) as info:
-        KVHandle.from_kv_transfer_params(params)
+        KVHandle.from_kv_transfer_params(params, None)
     assert type(info.value) is HandleFormatError and str(info.value)
 
 
@@ -142,7 +143,7 @@ def test_negative_tokens_with_no_blocks_are_refused() -> None:
     params = empty.to_kv_transfer_params()
     params["remote_num_tokens"] = -5
     with pytest.raises(HandleFormatError):
-        KVHandle.from_kv_transfer_params(params)
+        KVHandle.from_kv_transfer_params(params, None)
     with pytest.raises(HandleFormatError, match="num_tokens"):
         KVHandle(**{**empty.__dict__, "num_tokens": -5}).check()
 
@@ -152,7 +153,7 @@ def test_uppercase_hex_and_large_valid_values_parse() -> None:
     params["kvshuttle_digests"] = params["kvshuttle_digests"].upper()
     params["kvshuttle_generation"] = 2**63 - 1
     params["remote_block_ids"] = [2**63 - 5, 2**63 - 4, 2**63 - 3, 2**63 - 2, 2**63 - 1]
-    parsed = KVHandle.from_kv_transfer_params(params)
+    parsed = KVHandle.from_kv_transfer_params(params, None)
     assert parsed.digests == handle().digests and parsed.generation == 2**63 - 1
 
 
@@ -183,9 +184,74 @@ def test_mutated_params_raise_only_handle_format_error(changes: dict[str, Any], 
     for name in dropped:
         params.pop(name, None)
     try:
-        parsed = KVHandle.from_kv_transfer_params(params)
+        parsed = KVHandle.from_kv_transfer_params(params, None)
     except HandleFormatError as exc:
         assert type(exc) is HandleFormatError and str(exc)
         return
     parsed.check()
-    assert KVHandle.from_kv_transfer_params(parsed.to_kv_transfer_params()) == parsed
+    assert KVHandle.from_kv_transfer_params(parsed.to_kv_transfer_params(), None) == parsed
+
+
+# ---------------------------------------------------------------------------- authenticated handles (MAC)
+SECRET = DeploymentSecret(b"kv-handle-tests-deployment-secret-000001")
+
+
+def test_signed_handle_verifies_after_a_json_round_trip() -> None:
+    original = handle()
+    params = json.loads(json.dumps(original.to_kv_transfer_params(SECRET)))
+    assert KVHandle.from_kv_transfer_params(params, SECRET) == original
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("remote_host", "10.9.9.9"), ("remote_port", 5601), ("remote_engine_id", "decode-1"),
+    ("remote_request_id", "req-2"), ("remote_block_ids", [100, 101, 102, 103, 199]), ("remote_num_tokens", 65),
+    ("remote_blocks_expiry_time", 1_800_000_000.0), ("tp_size", 4), ("kvshuttle_handle_id", "h-other"),
+    ("kvshuttle_generation", 8), ("kvshuttle_digests", "ab" * 80), ("kvshuttle_issued_at", 1.0),
+    ("kvshuttle_ttl_s", 1e6),
+])
+def test_every_edited_field_fails_the_mac(field: str, value: Any) -> None:
+    params = handle().to_kv_transfer_params(SECRET)
+    params[field] = value
+    with pytest.raises(HandleAuthError, match="forged or edited"):
+        KVHandle.from_kv_transfer_params(params, SECRET)
+    assert KVHandle.from_kv_transfer_params(params, None).__dict__[_attr(field)] is not None  # still well formed
+
+
+def _attr(field: str) -> str:
+    names = {"remote_host": "host", "remote_port": "port", "remote_engine_id": "engine_id",
+             "remote_request_id": "request_id", "remote_block_ids": "block_ids", "remote_num_tokens": "num_tokens",
+             "remote_blocks_expiry_time": "expiry_time", "tp_size": "tp_size"}
+    return names.get(field, field.removeprefix("kvshuttle_"))
+
+
+@pytest.mark.parametrize("mac", [None, "", "00" * 16, "zz" * 16, 7, "ab" * 17])
+def test_missing_or_wrong_mac_is_refused(mac: Any) -> None:
+    params = handle().to_kv_transfer_params(SECRET)
+    if mac is None:
+        del params["kvshuttle_mac"]
+    else:
+        params["kvshuttle_mac"] = mac
+    with pytest.raises(HandleAuthError):
+        KVHandle.from_kv_transfer_params(params, SECRET)
+
+
+def test_a_handle_of_another_deployment_is_refused() -> None:
+    other = DeploymentSecret(b"another-deployment-secret-entirely-000002")
+    with pytest.raises(HandleAuthError, match="another deployment secret"):
+        KVHandle.from_kv_transfer_params(handle().to_kv_transfer_params(other), SECRET)
+
+
+def test_a_local_secret_trusts_loopback_owners_only(tmp_path: Any) -> None:
+    local = DeploymentSecret.local(tmp_path)
+    assert local.scope == "local"
+    remote = KVHandle(**{**handle().__dict__, "host": "10.0.0.7"})
+    with pytest.raises(HandleAuthError, match="loopback"):
+        KVHandle.from_kv_transfer_params(remote.to_kv_transfer_params(local), local)
+    assert KVHandle.from_kv_transfer_params(handle().to_kv_transfer_params(local), local) == handle()
+
+
+def test_parse_handle_names_the_refusal() -> None:
+    params = {**handle().to_kv_transfer_params(SECRET), "remote_host": "203.0.113.5"}
+    decision = parse_handle(params, secret=SECRET)
+    assert not isinstance(decision, KVHandle)
+    assert decision.reason is Reason.UNAUTHENTICATED_HANDLE and "forged or edited" in decision.message

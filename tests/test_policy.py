@@ -47,7 +47,7 @@ def make_handle(remote: list[int], *, block_size: int = B, expiry_in: float = 30
         digests=digests if digests is not None else tuple(
             block_digests(remote, block_size, extra_key=extra_key, digest_size=digest_size)),
         issued_at=NOW, ttl_s=480.0)
-    parsed = parse_handle(handle.to_kv_transfer_params())
+    parsed = parse_handle(handle.to_kv_transfer_params(), secret=None)
     assert isinstance(parsed, KVHandle), parsed
     return parsed
 
@@ -351,12 +351,12 @@ def _params(**changes: Any) -> dict[str, Any]:
     42,
 ], ids=lambda p: str(p)[:40])
 def test_malformed_handle_is_a_recompute_decision(params: Any) -> None:
-    parsed = parse_handle(params)
+    parsed = parse_handle(params, secret=None)
     assert isinstance(parsed, Decision)
     assert parsed.action == "recompute" and parsed.reason is Reason.MALFORMED_HANDLE and parsed.message
-    with_local = parse_handle(params, local_hit_tokens=32)
+    with_local = parse_handle(params, secret=None, local_hit_tokens=32)
     assert isinstance(with_local, Decision) and with_local.action == "local" and with_local.reused_tokens == 32
-    d = decide_from_params(toks(200), params, local_hit_tokens=0, now_wall=NOW, config=ANY)
+    d = decide_from_params(toks(200), params, local_hit_tokens=0, now_wall=NOW, config=ANY, secret=None)
     assert d.action == "recompute" and d.reason is Reason.MALFORMED_HANDLE
 
 
@@ -367,14 +367,14 @@ def test_malformed_handle_is_a_recompute_decision(params: Any) -> None:
     ({"remote_block_ids": [1, 2], "remote_num_tokens": 32, "remote_engine_id": "d"}, Reason.UNVERIFIABLE_HANDLE),
 ])
 def test_missing_or_unverifiable_handle(params: Any, reason: Reason) -> None:
-    d = decide_from_params(toks(200), params, local_hit_tokens=16, now_wall=NOW, config=ANY)
+    d = decide_from_params(toks(200), params, local_hit_tokens=16, now_wall=NOW, config=ANY, secret=None)
     assert d.reason is reason and d.action == "local" and d.reused_tokens == 16
 
 
 def test_decide_from_params_fetches_a_good_handle() -> None:
     remote = toks(100)
     d = decide_from_params([*remote, 1], make_handle(remote).to_kv_transfer_params(), local_hit_tokens=0,
-                           now_wall=NOW, config=ANY)
+                           now_wall=NOW, config=ANY, secret=None)
     assert_fetch(d, 0, 7, 100)
 
 

@@ -112,7 +112,7 @@ def test_retain_issues_a_complete_wire_handle() -> None:
     assert handle.block_ids == (5, 3, 9) and handle.digests == tuple(digests([5, 3, 9]))
     assert (handle.num_tokens, handle.block_size, handle.tp_size, handle.ttl_s) == (40, BS, 2, 300.0)
     assert handle.issued_at == WALL0 and handle.expiry_time == WALL0 + 300.0
-    assert KVHandle.from_kv_transfer_params(handle.to_kv_transfer_params()) == handle
+    assert KVHandle.from_kv_transfer_params(handle.to_kv_transfer_params(), None) == handle
     ids = {retain(env, [20 + i]).handle_id for i in range(50)} | {handle.handle_id}
     assert len(ids) == 51 and min(len(i) for i in ids) >= 22  # >= 128 random bits, url-safe
 

@@ -257,29 +257,27 @@ def test_owner_reclaims_staging_from_a_reader_that_vanished(owner: OwnerProcess)
     """A reader that asks for packing and never releases (it died): the lease returns the staging."""
     import zmq
 
-    from kvshuttle.transfer.wire import decode, encode
+    from kvshuttle.transfer.side_channel import Connection
+    from kvshuttle.trust import DeploymentSecret
 
     index = NAMES.index("leased")
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    conn = Connection(context, address(owner, "leased"), secret=DeploymentSecret.resolve())  # a member, then gone
     try:
-        sock.connect(address(owner, "leased"))
-        sock.send(encode({"op": "pack", "tid": "ghost", "ids": [0, 1, 2, 3, 4, 5], "num_tokens": 96,
-                          "layout": {"block_size": 16, "num_heads": 4, "order": "NHD"}, "head_offset": 0,
-                          "chunk_tokens": 32, "window": 2}))
+        conn.send({"op": "pack", "tid": "ghost", "ids": [0, 1, 2, 3, 4, 5], "num_tokens": 96,
+                   "layout": {"block_size": 16, "num_heads": 4, "order": "NHD"}, "head_offset": 0,
+                   "chunk_tokens": 32, "window": 2})
         seen = set()
         deadline = time.monotonic() + 5
         while len(seen) < 2 and time.monotonic() < deadline:  # two chunks packed, then it waits for releases
-            if sock.poll(100):
-                message = decode(sock.recv())
-                if message["op"] == "ready":
-                    seen.add(message["chunk"])
+            message = conn.receive(0.1)
+            if message is not None and message["op"] == "ready":
+                seen.add(message["chunk"])
         assert seen == {0, 1}
         busy = owner.call("stats")[index]
         assert busy["owner_jobs"] == 1 and busy["staging_free"] == 0
     finally:
-        sock.close(0)
+        conn.close()
         context.term()
     deadline = time.monotonic() + 5
     while owner.call("stats")[index]["owner_jobs"]:

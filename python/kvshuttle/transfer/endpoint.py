@@ -76,6 +76,7 @@ class Endpoint:
 
     def stats(self) -> dict[str, int]:
         """Live NIXL objects and engine state (flat over time when nothing leaks)."""
+        self._prune_lost()
         counts = self._agent.counts()
         return {
             "registrations": counts["registration"], "dlists": counts["dlist"],
@@ -121,6 +122,14 @@ class Endpoint:
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError("this TransferEngine is closed; create a new one")
+
+    def _prune_lost(self) -> None:
+        """Forget peers found lost meanwhile (a read in flight noticed it): their NIXL state goes at once."""
+        with self._peers_lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            if peer.watch() is not None:
+                self._forget(peer)
 
     def _forget(self, peer: Peer) -> None:
         """Drop a peer: its NIXL remote state and its connections (never raises)."""

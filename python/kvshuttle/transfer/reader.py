@@ -86,6 +86,7 @@ class ReaderRole(Endpoint):
         ``timeout`` (default ``connect_timeout_s``); IncompatiblePeerError when no path can move blocks.
         """
         self._check_open()
+        self._prune_lost()
         wait = _timeout_arg(timeout, self.config.connect_timeout_s)
         config = self.config
         conn = Connection(self._zmq, address, secret=self.secret, heartbeat_s=config.heartbeat_s,

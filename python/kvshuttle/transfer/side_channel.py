@@ -15,6 +15,7 @@ messages to the server thread over an ``inproc`` PUSH/PULL pair.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import threading
@@ -180,6 +181,7 @@ def parse_address(address: object) -> tuple[str, int]:
 
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_TIMED_OUT = (errno.EAGAIN, errno.ETIMEDOUT)  # a handshake that got no answer, as opposed to one refused
 _WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
             | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
@@ -235,14 +237,18 @@ class Connection:
         """Drain the monitor without blocking; returns why the connection is lost, or None."""
         while self.lost is None:
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+                parsed = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            if event & _HANDSHAKE_FAILED:
+            event = parsed["event"]
+            if event & _HANDSHAKE_FAILED and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                                  and int(parsed["value"]) in _TIMED_OUT):
                 self.auth_failed = True
                 self.lost = (f"the authenticated handshake with {self.address} failed: it does not hold this "
-                             f"deployment's secret (fingerprint {self.fingerprint}), or runs a kvshuttle older than "
-                             "side-channel protocol 4; set the same KVSHUTTLE_SECRET on both sides")
+                             f"deployment's secret (fingerprint {self.fingerprint}), runs a kvshuttle older than "
+                             "side-channel protocol 4, or hung up; set the same KVSHUTTLE_SECRET on both sides")
+            elif event & _HANDSHAKE_FAILED and self.ever_connected:  # silent within HANDSHAKE_IVL: frozen
+                self.lost = f"{self.address} gave no handshake or heartbeat answer within peer_timeout_s (frozen or cut off)"
             elif event == zmq.EVENT_CONNECTED:
                 self.ever_connected = True
             elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
