@@ -22,7 +22,7 @@ BENCHES = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshuttle", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="what was built and whether a GPU is usable")
+    commands.add_parser("info", help="what was built, whether a GPU is usable, which deployment secret is in use")
     demo = commands.add_parser("demo", help="decode + prefill processes: a multi-turn conversation read back over NIXL")
     from .demo import run as demo_module
 
@@ -68,8 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return router_module.main(args)
     if args.command == "info":
         from . import build_info
+        from .trust import DeploymentSecret, TrustError
 
-        print(json.dumps(build_info(), indent=2))
+        info: dict[str, object] = dict(build_info())
+        try:  # never the secret itself: its scope, where it came from, and a fingerprint to compare across hosts
+            secret = DeploymentSecret.resolve()
+            info["trust"] = {"scope": secret.scope, "source": secret.source, "fingerprint": secret.fingerprint}
+        except TrustError as exc:
+            info["trust"] = {"error": str(exc)}
+        print(json.dumps(info, indent=2))
         return 0
     result = args.module.run(args)
     if args.json:
