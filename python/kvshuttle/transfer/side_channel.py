@@ -248,7 +248,8 @@ class Connection:
                              f"deployment's secret (fingerprint {self.fingerprint}), runs a kvshuttle older than "
                              "side-channel protocol 4, or hung up; set the same KVSHUTTLE_SECRET on both sides")
             elif event & _HANDSHAKE_FAILED and self.ever_connected:  # silent within HANDSHAKE_IVL: frozen
-                self.lost = f"{self.address} gave no handshake or heartbeat answer within peer_timeout_s (frozen or cut off)"
+                self.lost = (f"{self.address} gave no handshake or heartbeat answer within peer_timeout_s (frozen or "
+                             "cut off)")
             elif event == zmq.EVENT_CONNECTED:
                 self.ever_connected = True
             elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
