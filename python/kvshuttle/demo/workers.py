@@ -115,7 +115,8 @@ class Decode(PagedWorker):
         self.handles[conversation] = handle.handle_id
         metrics = self.ledger.metrics()
         return {"kv_transfer_params": handle.to_kv_transfer_params(self.engine.secret),
-                "verified": self.holds(blocks, tokens, held), "retained_blocks": metrics.get("retained_blocks"), "evictions": metrics.get("evictions")}
+                "verified": self.holds(blocks, tokens, held), "retained_blocks": metrics.get("retained_blocks"),
+                "evictions": metrics.get("evictions")}
 
     def release(self, conversation: str) -> bool:
         """End a conversation's retention now (its blocks go back to the free list)."""
