@@ -752,3 +752,36 @@ def test_a_handle_can_be_use_once_in_a_multi_read_ledger() -> None:
         env.ledger.complete(env.ledger.claim(many.handle_id, many.generation).claim_id)
     with pytest.raises(RetentionArgumentError, match="mode"):
         retain(env, [9], mode="twice")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------ bounds a peer cannot exceed
+def test_renewals_are_clamped_to_max_ttl() -> None:
+    env = make(ttl_s=100.0, max_ttl_s=600.0)
+    handle = retain(env, [1, 2])
+    assert env.ledger.renew(handle.handle_id, ttl_s=1e9).ttl_s == pytest.approx(600.0)
+    assert env.ledger.renew(handle.handle_id, ttl_s=50.0).ttl_s == pytest.approx(600.0)  # never shortened
+    advance(env, 599.0)
+    assert env.ledger.get(handle.handle_id) is not None
+    advance(env, 2.0)
+    env.ledger.sweep()
+    assert env.ledger.get(handle.handle_id) is None
+
+
+def test_open_claims_are_capped_per_reader_and_forgotten_when_closed() -> None:
+    from kvshuttle.retention import ClaimLimitError
+
+    env = make(max_claims_per_reader=2)
+    handle = retain(env, [1, 2])
+    first = [env.ledger.claim(handle.handle_id, handle.generation, reader="a") for _ in range(2)]
+    with pytest.raises(ClaimLimitError):
+        env.ledger.claim(handle.handle_id, handle.generation, reader="a")
+    other = env.ledger.claim(handle.handle_id, handle.generation, reader="b")  # another reader is not affected
+    assert env.ledger.claimed_blocks(other.claim_id) == (1, 2)
+    env.ledger.complete(first[0].claim_id)
+    env.ledger.abort(first[1].claim_id)
+    env.ledger.claim(handle.handle_id, handle.generation, reader="a")  # room again
+    advance(env, 31.0)  # past claim_timeout_s: timed-out claims free their reader's count too
+    env.ledger.sweep()
+    assert not env.ledger._open_by_reader  # no per-reader state outlives its claims
+    with pytest.raises(ClaimLostError):
+        env.ledger.claimed_blocks(other.claim_id)

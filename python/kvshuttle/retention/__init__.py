@@ -29,7 +29,8 @@ from .errors import (
     TamperedHandleError,
     UnknownHandleError,
 )
-from .ledger import DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, MODES, Claim, Mode, RetentionLedger
+from .ledger import DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, MODES, Mode, RetentionLedger
+from .records import Claim
 
 __all__ = [
     "DEFAULT_MAX_TTL_S",

@@ -1,0 +1,76 @@
+"""The ledger's records: a retained handle, a retained block, a granted claim, and small helpers on them."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+
+class _Retained:
+    __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "ended", "expiry",
+                 "generation", "handle_id", "num_tokens", "once", "request_id", "reused", "tp_size")
+
+    def __init__(self, handle_id: str, request_id: str, conversation_id: str | None, block_ids: tuple[int, ...],
+                 digests: tuple[bytes, ...], num_tokens: int, block_size: int, tp_size: int, expiry: float) -> None:
+        self.handle_id, self.request_id, self.conversation_id = handle_id, request_id, conversation_id
+        self.block_ids, self.digests, self.num_tokens = block_ids, digests, num_tokens
+        self.block_size, self.tp_size, self.expiry = block_size, tp_size, expiry
+        self.generation = 0
+        self.claims = 0  # reads in flight
+        self.ended: str | None = None  # an END_REASONS entry once it can no longer be claimed
+        self.reused = False  # one of its blocks went back to the owner: what a read in flight got is stale
+        self.once = False  # use-once: one claim at a time, and a completed read frees it
+
+    def valid(self, index: int) -> int:
+        """Tokens of block ``index`` that hold KV."""
+        return min(self.block_size, self.num_tokens - index * self.block_size)
+
+
+class _Block:
+    """A retained block: its live holders and what the most complete of them says it holds."""
+
+    __slots__ = ("digest", "holders", "index", "valid")
+
+    def __init__(self, index: int, digest: bytes, valid: int, holder: _Retained) -> None:
+        self.index, self.digest, self.valid = index, digest, valid
+        self.holders = [holder]  # few (turns of one conversation): a list beats a set in memory
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A granted read: the blocks stay pinned until ``complete``/``abort`` or ``deadline`` (monotonic clock)."""
+
+    claim_id: str
+    handle_id: str
+    generation: int
+    block_ids: tuple[int, ...]  # the blocks the reader presented (a prefix of the handle's), or all of them
+    num_tokens: int  # tokens whose KV those blocks hold
+    deadline: float
+    reader: str
+
+
+class _OpenClaim:
+    __slots__ = ("claim", "handle", "open")
+
+    def __init__(self, claim: Claim, handle: _Retained) -> None:
+        self.claim, self.handle, self.open = claim, handle, True
+
+
+def _equal(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:
+    """Element-wise equality that never raises: an element with no truth value (an array) is simply not equal."""
+    try:
+        return presented == issued
+    except (TypeError, ValueError):
+        return False
+
+
+def _extends(record: _Block, index: int, digest: bytes, valid: int) -> bool:
+    """Whether a new holder's view of a retained block is compatible with the record (see module docstring)."""
+    return record.index == index and (valid > record.valid or (valid == record.valid and digest == record.digest))
+
+
+def _remember(tombstones: OrderedDict[str, str], key: str, reason: str, cap: int) -> None:
+    tombstones[key] = reason
+    while len(tombstones) > cap:
+        tombstones.popitem(last=False)
