@@ -252,10 +252,10 @@ class ReuseReader:
                 peer = self._peers.get(address)
             if peer is not None and peer.connected and peer.watch() is None:
                 return peer
-            if peer is not None:
-                self._mark_failed(address, peer.lost or "the connection was closed")
-                self.engine.disconnect(peer)
-                self._check_cooldown(address)
+            if peer is not None:  # found lost: this request fails as lost, the next ones are cooled down
+                why = peer.lost or "the connection was closed"
+                self._mark_failed(address, why)
+                raise PeerLostError(f"{why}; not reconnected for {self.cooldown_s:.0f} s")
             try:
                 peer = self.engine.connect(address)
             except (PeerUnreachableError, PeerLostError, IncompatiblePeerError) as exc:
