@@ -8,6 +8,7 @@ to the next turn's prefill, which parses it strictly: anything malformed is a :c
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +57,12 @@ class KVHandle:
 
     def signing_bytes(self) -> bytes:
         """Every field in one canonical encoding (typed, so a JSON or msgpack round trip cannot change it)."""
-        parts = [self.engine_id, self.request_id, self.host, str(self.port), ",".join(map(str, self.block_ids)),
-                 str(self.num_tokens), float(self.expiry_time).hex(), str(self.tp_size), self.handle_id,
-                 str(self.generation), str(self.block_size), b"".join(self.digests).hex(),
-                 float(self.issued_at).hex(), float(self.ttl_s).hex()]
-        return f"v{WIRE_VERSION}\0".encode() + "\0".join(parts).encode()
+        parts = [self.engine_id, self.request_id, self.host, str(self.port), str(self.num_tokens),
+                 float(self.expiry_time).hex(), str(self.tp_size), self.handle_id, str(self.generation),
+                 str(self.block_size), float(self.issued_at).hex(), float(self.ttl_s).hex(), str(len(self.block_ids))]
+        # Ids as fixed-width integers and digests as bytes: C speed at thousands of blocks (checked in range).
+        return b"\0".join([f"v{WIRE_VERSION}".encode(), *(p.encode() for p in parts),
+                            array.array("q", self.block_ids).tobytes(), b"".join(self.digests)])
 
     def mac(self, secret: DeploymentSecret) -> str:
         return secret.mac(_MAC_PURPOSE, self.signing_bytes()).hex()
