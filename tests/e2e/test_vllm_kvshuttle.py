@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(900)
 def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
     from kvshuttle.bench.e2e.conversation import (
         ConversationPlan,
+        decode_params_for,
         edited_token,
+        prefill_params_for,
         run_local_conversation,
         run_pd_conversation,
     )
@@ -40,9 +42,11 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
         # An edited history: the client changed one token of turn 1 (block 3 of 32-token blocks) and goes on.
         edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
         edited[100] = edited_token(edited[100], plan.vocab)
-        handle = dict(turns[-1].decode["kv_transfer_params"], do_remote_decode=True, do_remote_prefill=False)
+        # as a router of the deployment sends them: with a retention grant (prefill keeps the prompt for decode)
+        handle = prefill_params_for(turns[-1].decode["kv_transfer_params"])
         edited_prefill = prefill.generate(edited, 1, handle)
-        edited_decode = decode.generate(edited, plan.answer_tokens, edited_prefill["kv_transfer_params"])
+        edited_decode = decode.generate(edited, plan.answer_tokens,
+                                        decode_params_for(edited_prefill["kv_transfer_params"]))
         edited_local = prefill.generate(edited, plan.answer_tokens, None)
     print("prefill log:\n" + _tail(tmp_path / "prefill.log", 20))
     print("decode log:\n" + _tail(tmp_path / "decode.log", 20))

@@ -49,7 +49,7 @@ def wait_for_usage(decode: Any, usage: float, timeout_s: float) -> tuple[dict[st
 
 def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recompute(
         model_dir: str, tmp_path: Path) -> None:  # noqa: F811
-    from kvshuttle.bench.e2e.conversation import FIRST_TURN_PARAMS, prefill_params_for
+    from kvshuttle.bench.e2e.conversation import decode_params_for, prefill_params_for
     from kvshuttle.bench.e2e.engines import VllmEngine, pd_pair, shuttle_transfer_config, start_all
     from kvshuttle.bench.e2e.tiny_model import random_prompt
     from kvshuttle.transfer import release_retention, renew_retention, take_published
@@ -61,8 +61,9 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
     seen: dict[str, Any] = {}
 
     def turn(prompt: list[int], handle: dict[str, Any] | None, **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        p_out = prefill.generate(prompt, 1, prefill_params_for(handle) if handle else dict(FIRST_TURN_PARAMS))
-        d_out = decode.generate(prompt, ANSWER, {**p_out["kv_transfer_params"], **extra})
+        # as a router of the deployment: each leg carries a retention grant (the engines keep nothing without)
+        p_out = prefill.generate(prompt, 1, prefill_params_for(handle))
+        d_out = decode.generate(prompt, ANSWER, decode_params_for({**p_out["kv_transfer_params"], **extra}))
         return p_out, d_out
 
     def user(seed: int, n: int) -> list[int]:
@@ -166,4 +167,7 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
     assert e_new["token_ids"] == seen["local"]["e2"]
     log = (tmp_path / "prefill.log").read_text()
     assert re.search(r"request \S+ recomputes, because claim_refused", log)  # C: evicted on the decode
-    assert re.search(r"request \S+ recomputes, because peer_(unreachable|lost)", log)  # E: decode gone
+    # E: decode gone. Its reader notices the connection closed (lost), the reconnect is refused (unreachable), or
+    # the circuit breaker, opened by that very failure, refuses it at once (cooling_down): all without waiting
+    assert re.search(r"request \S+ recomputes, because peer_(unreachable|lost|cooling_down)", log), \
+        [line for line in log.splitlines() if "recomputes, because" in line][-3:]

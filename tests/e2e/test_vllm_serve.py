@@ -45,14 +45,18 @@ def test_vllm_serve_pair_speaks_the_multi_turn_proxy_protocol(model_dir: str, tm
     from kvshuttle.bench.e2e.serve import metric_total, serve_pair
     from kvshuttle.bench.e2e.tiny_model import random_prompt
 
-    prefill, decode = serve_pair(model_dir, shuttle_transfer_config(), shuttle_transfer_config(), tmp_path)
+    # This test is vLLM's own multi-turn proxy: it forwards kv_transfer_params as opaque dicts and sends no
+    # kvshuttle_grant (it holds no deployment secret), so both engines retain for every request that asks
+    # ("always", the behaviour behind such a proxy) instead of only for granted ones (the default).
+    config = shuttle_transfer_config(kvshuttle_retain="always")
+    prefill, decode = serve_pair(model_dir, config, config, tmp_path)
     with engines_closed(tmp_path, [prefill, decode]):
         prompt1 = random_prompt(FIRST, seed=11)
         p1 = complete(prefill, prompt1, 1, dict(FIRST_TURN_PARAMS))
         d1 = complete(decode, prompt1, ANSWER, p1["kv_transfer_params"])
         answer1 = d1["choices"][0]["token_ids"]
         prompt2 = prompt1 + answer1 + random_prompt(NEXT, seed=12)
-        p2 = complete(prefill, prompt2, 1, prefill_params_for(d1["kv_transfer_params"]))
+        p2 = complete(prefill, prompt2, 1, prefill_params_for(d1["kv_transfer_params"], grant=False))
         d2 = complete(decode, prompt2, ANSWER, p2["kv_transfer_params"])
         prefill_metrics, decode_metrics = prefill.metrics(), decode.metrics()
         local1 = complete(prefill, prompt1, ANSWER, None)["choices"][0]["token_ids"]

@@ -281,6 +281,10 @@ class ReuseReader:
             if len(self._broken) > 1024:  # bounded: forget the longest-expired first
                 for stale in sorted(self._broken, key=lambda a: self._broken[a][0])[:512]:
                     del self._broken[stale]
+            if len(self._connecting) > 1024:  # decodes restarting on new ports: drop idle addresses' locks
+                for idle in [a for a, lock in self._connecting.items()
+                             if a not in self._peers and a not in self._broken and not lock.locked()]:
+                    del self._connecting[idle]
         if peer is not None:
             self.engine.disconnect(peer)
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schema import envelope
-from .conversation import ConversationPlan, Turn, prefill_params_for, run_pd_conversation
+from .conversation import ConversationPlan, Turn, decode_params_for, prefill_params_for, run_pd_conversation
 from .engines import VllmEngine, nixl_transfer_config, pd_pair, shuttle_transfer_config, start_all
 
 CONFIGS = ("recompute", "nixl", "kvshuttle")
@@ -213,7 +213,7 @@ def _retried(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
         p_out = prefill.generate(prompt, 1, copy.deepcopy(params))
         if not p_out.get("kv_transfer_params"):
             raise RuntimeError(f"the retry's prefill returned no kv_transfer_params ({p_out.get('finish_reason')})")
-        d_out = decode.generate(prompt, plan.answer_tokens, copy.deepcopy(p_out["kv_transfer_params"]))
+        d_out = decode.generate(prompt, plan.answer_tokens, decode_params_for(p_out["kv_transfer_params"]))
     except Exception as exc:  # recorded: what a retry costs is the point of this case
         out.error(config, "retried", n, 2, exc, time.perf_counter() - t0)
         _log(f"{config} retried: {exc}")

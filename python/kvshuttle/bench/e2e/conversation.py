@@ -14,6 +14,12 @@ notes' bidirectional spec, section 5):
 The next prompt is the previous prompt + the decode's answer + new "user" tokens, an exact continuation of
 decode's sequence (the bidirectional mode's requirement). ``run_local_conversation`` replays the same prompts
 on one engine without transfers: the reference the disaggregated answers must equal.
+
+This driver is a trusted member of the deployment (it holds the deployment secret, as a kvshuttle router does):
+it adds a retention grant (``kvshuttle_grant``) to what it sends each engine, without which kvshuttle's engines
+keep nothing for the next reader (``kvshuttle_retain: "granted"``, their default; vLLM's own connector ignores
+the field). ``grant=False`` sends exactly what vLLM's proxy sends (engines then need ``kvshuttle_retain:
+"always"`` to keep anything).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ...trust import GRANT_FIELD, DeploymentSecret, issue_grant
 from .tiny_model import SPECIAL_TOKENS, random_prompt
 
 #: What the proxy sends prefill when it holds nothing for the conversation (vLLM's toy and multi-turn proxies).
@@ -88,14 +95,28 @@ class Turn:
         }
 
 
-def prefill_params_for(previous_decode_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``kv_transfer_params`` the multi-turn proxy sends prefill, given decode's last returned params."""
+def granted(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` plus a fresh retention grant under this process's deployment secret (a copy)."""
+    return {**params, GRANT_FIELD: issue_grant(DeploymentSecret.resolve())}
+
+
+def prefill_params_for(previous_decode_params: dict[str, Any] | None, *, grant: bool = True) -> dict[str, Any]:
+    """The ``kv_transfer_params`` the multi-turn proxy sends prefill, given decode's last returned params (plus a
+    retention grant, unless ``grant=False``: prefill keeps the prompt's blocks for its decode only with one)."""
     if not previous_decode_params:
-        return copy.deepcopy(FIRST_TURN_PARAMS)
-    params = copy.deepcopy(previous_decode_params)
-    params["do_remote_decode"] = True
-    params["do_remote_prefill"] = False
-    return params
+        params = copy.deepcopy(FIRST_TURN_PARAMS)
+    else:
+        params = copy.deepcopy(previous_decode_params)
+        params["do_remote_decode"] = True
+        params["do_remote_prefill"] = False
+    return granted(params) if grant else params
+
+
+def decode_params_for(prefill_params: dict[str, Any], *, grant: bool = True) -> dict[str, Any]:
+    """What the driver sends decode: prefill's returned params unchanged (as vLLM's proxy does), plus a retention
+    grant unless ``grant=False`` (decode keeps prompt + answer for the next turn only with one)."""
+    params = copy.deepcopy(prefill_params)
+    return granted(params) if grant else params
 
 
 def edited_token(token: int, vocab: int) -> int:
@@ -106,12 +127,13 @@ def edited_token(token: int, vocab: int) -> int:
 
 def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan, *,
                         reuse_decode_params: bool = True, edit_at: int | None = None,
-                        before_turn2: Callable[[list[Turn]], None] | None = None) -> list[Turn]:
+                        before_turn2: Callable[[list[Turn]], None] | None = None, grant: bool = True) -> list[Turn]:
     """Run ``plan.turns`` turns through prefill then decode; returns every turn's results.
 
     ``reuse_decode_params=False`` sends every turn as a first turn (prefill recomputes the whole prompt):
     the same traffic without the reverse read, for a side-by-side TTFT. ``edit_at`` changes that token of the
     history in turn 2's prompt (an edited conversation); ``before_turn2`` runs just before turn 2 (a pause).
+    ``grant``: add a retention grant to every request (see the module docstring).
     """
     turns: list[Turn] = []
     prompt: list[int] = []
@@ -125,13 +147,13 @@ def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan,
                 prompt[edit_at] = edited_token(prompt[edit_at], plan.vocab)
             if before_turn2 is not None:
                 before_turn2(turns)
-        p_params = prefill_params_for(handle if reuse_decode_params else None)
+        p_params = prefill_params_for(handle if reuse_decode_params else None, grant=grant)
         p_out = prefill.generate(prompt, 1, copy.deepcopy(p_params))
         d_params = p_out.get("kv_transfer_params")
         if not d_params:
             raise RuntimeError(f"turn {k}: prefill returned no kv_transfer_params "
                                f"(finish_reason {p_out.get('finish_reason')})")
-        d_out = decode.generate(prompt, plan.answer_tokens, copy.deepcopy(d_params))
+        d_out = decode.generate(prompt, plan.answer_tokens, decode_params_for(d_params, grant=grant))
         turn = Turn(k, list(prompt), p_params, p_out, d_out)
         if p_out["token_ids"][:1] != d_out["token_ids"][:1]:
             turn.notes.append(f"prefill's token {p_out['token_ids'][:1]} != decode's first {d_out['token_ids'][:1]}")

@@ -8,12 +8,23 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ...errors import KVShuttleError, shown
 from ...policy import PolicyConfig
 from ...retention.ledger import MODES, Mode
 from ...transfer.config import PATHS, Path
+from ...trust import DeploymentSecret
+
+Retain = Literal["granted", "always"]
+RETAIN: tuple[Retain, ...] = ("granted", "always")
+# Without kvshuttle_retention_budget_blocks, retention may hold at most this share of the engine's KV blocks: what
+# a decode keeps for later turns is memory its own running requests cannot use, so retention can never take more
+# than a quarter of them and the requests it serves now always keep at least 75% (the least recently used
+# retentions are evicted first to stay under it).
+DEFAULT_BUDGET_FRACTION = 0.25
+MAX_CONCURRENT_LOADS = 64  # each load is a thread of the worker process
+WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind addresses that listen everywhere: no address to advertise
 
 
 class ConnectorConfigError(KVShuttleError, ValueError):
@@ -31,12 +42,25 @@ class ShuttleConfig:
     backends: tuple[str, ...] = ("UCX",)  # backends: NIXL plugins
     reads: Mode = "multi_read"  # kvshuttle_reads: "multi_read" (a retried turn reads again) or "use_once"
     budget_blocks: int | None = None  # kvshuttle_retention_budget_blocks: most blocks kept for later turns
+    budget_fraction: float = DEFAULT_BUDGET_FRACTION  # kvshuttle_retention_budget_fraction: else this share of all
+    retain: Retain = "granted"  # kvshuttle_retain: "granted" (only with a router's kvshuttle_grant) or "always"
+    max_ttl_s: float = 3600.0  # kvshuttle_max_ttl_s: no retention (or renewal) lasts longer than this
     path: Path = "auto"  # kvshuttle_path
-    host: str = "127.0.0.1"  # kvshuttle_host (or VLLM_NIXL_SIDE_CHANNEL_HOST): where readers reach this worker
+    host: str = "127.0.0.1"  # kvshuttle_host (or VLLM_NIXL_SIDE_CHANNEL_HOST): where the side channel listens
+    advertise_host: str | None = None  # kvshuttle_advertise_host: the address written into handles (default: host)
     port: int = 0  # kvshuttle_port: 0 picks a free port
-    load_timeout_s: float = 10.0  # kvshuttle_load_timeout_s: claim + read + confirm of one request
+    load_timeout_s: float = 10.0  # kvshuttle_load_timeout_s: from the scheduling decision to the end of the load
+    max_concurrent_loads: int = 4  # kvshuttle_max_concurrent_loads: loads the worker runs at once
     digest_key: str = ""  # kvshuttle_digest_key: mixed into every block digest (default: the model)
     cost_model: Mapping[str, float] | None = None  # kvshuttle_cost_model: PolicyConfig cost inputs
+    # kvshuttle_secret_file: the deployment secret's file (else KVSHUTTLE_SECRET[_FILE], else the local secret);
+    # a path, never the secret: this config travels on vLLM's command line
+    secret_file: str | None = None
+    allowed_owners: tuple[str, ...] | None = None  # kvshuttle_allowed_owners: hosts / host:port reads may come from
+
+    def deployment_secret(self) -> DeploymentSecret:
+        """The secret both sides authenticate with (TrustError names what is wrong)."""
+        return DeploymentSecret.from_file(self.secret_file) if self.secret_file else DeploymentSecret.resolve()
 
     def policy(self) -> PolicyConfig:
         extra = self.digest_key.encode()
@@ -45,17 +69,29 @@ class ShuttleConfig:
             return PolicyConfig(kind="cost", extra_key=extra, **cost)
         return PolicyConfig.from_vllm_threshold(self.threshold_tokens, extra_key=extra)
 
+    def retention_budget(self, num_blocks: int) -> int:
+        """The most blocks the worker's ledger keeps, for an engine with ``num_blocks`` KV blocks."""
+        if self.budget_blocks is not None:
+            return self.budget_blocks
+        return max(1, math.floor(self.budget_fraction * num_blocks))
+
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], *, model: str = "") -> ShuttleConfig:
         known = {"bidirectional_kv_xfer", "kv_recompute_threshold", "decoder_kv_blocks_ttl", "kv_lease_duration",
                  "backends", "num_threads", "kvshuttle_reads", "kvshuttle_retention_budget_blocks", "kvshuttle_path",
                  "kvshuttle_host", "kvshuttle_port", "kvshuttle_load_timeout_s", "kvshuttle_digest_key",
-                 "kvshuttle_cost_model"}
+                 "kvshuttle_cost_model", "kvshuttle_retention_budget_fraction", "kvshuttle_retain",
+                 "kvshuttle_max_ttl_s", "kvshuttle_advertise_host", "kvshuttle_max_concurrent_loads",
+                 "kvshuttle_secret_file", "kvshuttle_allowed_owners"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
                                        f"{sorted(k for k in known if k.startswith('kvshuttle_'))}")
         budget = extra.get("kvshuttle_retention_budget_blocks")
+        fraction = extra.get("kvshuttle_retention_budget_fraction")
+        if budget is not None and fraction is not None:
+            raise ConnectorConfigError("set kvshuttle_retention_budget_blocks or kvshuttle_retention_budget_fraction, "
+                                       "not both")
         cost = extra.get("kvshuttle_cost_model")
         if cost is not None and not (isinstance(cost, Mapping) and all(isinstance(v, (int, float)) for v in
                                                                            cost.values())):
@@ -70,12 +106,21 @@ class ShuttleConfig:
             backends=_backends(extra.get("backends", ["UCX"])),
             reads=_choice(extra, "kvshuttle_reads", "multi_read", MODES),
             budget_blocks=None if budget is None else _int(extra, "kvshuttle_retention_budget_blocks", 0, minimum=1),
+            budget_fraction=_fraction(extra, "kvshuttle_retention_budget_fraction", DEFAULT_BUDGET_FRACTION),
+            retain=_choice(extra, "kvshuttle_retain", "granted", RETAIN),
+            max_ttl_s=_seconds(extra, "kvshuttle_max_ttl_s", 3600.0),
             path=_choice(extra, "kvshuttle_path", "auto", PATHS),
-            host=str(extra.get("kvshuttle_host") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1"),
+            host=_host(extra.get("kvshuttle_host") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1",
+                       "kvshuttle_host", wildcard=True),
+            advertise_host=None if extra.get("kvshuttle_advertise_host") is None else _host(
+                extra["kvshuttle_advertise_host"], "kvshuttle_advertise_host", wildcard=False),
             port=_int(extra, "kvshuttle_port", 0, minimum=0),
             load_timeout_s=_seconds(extra, "kvshuttle_load_timeout_s", 10.0),
+            max_concurrent_loads=_int(extra, "kvshuttle_max_concurrent_loads", 4, minimum=1),
             digest_key=str(extra.get("kvshuttle_digest_key", model)),
             cost_model=None if cost is None else {str(k): float(v) for k, v in cost.items()},
+            secret_file=_optional_text(extra, "kvshuttle_secret_file"),
+            allowed_owners=_owners(extra.get("kvshuttle_allowed_owners")),
         )
         try:
             config.policy()
@@ -83,7 +128,33 @@ class ShuttleConfig:
             raise ConnectorConfigError(f"kvshuttle_cost_model: {exc}") from exc
         if config.port > 65535:
             raise ConnectorConfigError(f"kvshuttle_port must be a TCP port (0..65535), got {config.port}")
+        if config.max_concurrent_loads > MAX_CONCURRENT_LOADS:
+            raise ConnectorConfigError(f"kvshuttle_max_concurrent_loads must be at most {MAX_CONCURRENT_LOADS} (each "
+                                       f"is a thread), got {config.max_concurrent_loads}")
+        for key, ttl in (("decoder_kv_blocks_ttl", config.decode_ttl_s), ("kv_lease_duration", config.prefill_ttl_s)):
+            if ttl > config.max_ttl_s:
+                raise ConnectorConfigError(f"{key} ({ttl:g} s) is longer than kvshuttle_max_ttl_s "
+                                           f"({config.max_ttl_s:g} s): raise kvshuttle_max_ttl_s or shorten {key}")
+        if config.host in WILDCARDS and config.advertise_host is None:
+            raise ConnectorConfigError(f"kvshuttle_host {config.host!r} listens on every address: set "
+                                       "kvshuttle_advertise_host to the address readers reach this engine at")
         return config
+
+
+def _optional_text(extra: Mapping[str, Any], key: str) -> str | None:
+    value = extra.get(key)
+    if value is not None and not (isinstance(value, str) and value):
+        raise ConnectorConfigError(f"{key} must be a non-empty string, got {shown(value)}")
+    return value
+
+
+def _owners(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value)):
+        raise ConnectorConfigError(f"kvshuttle_allowed_owners must be a list of hosts or host:port strings, got "
+                                   f"{shown(value)}")
+    return tuple(value)
 
 
 def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
@@ -113,6 +184,26 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not (math.isfinite(seconds) and seconds > 0):
         raise ConnectorConfigError(f"{key} must be a positive number of seconds, got {shown(value)}")
     return seconds
+
+
+def _fraction(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = math.nan
+    if isinstance(value, bool) or not (math.isfinite(share) and 0 < share <= 1):
+        raise ConnectorConfigError(f"{key} must be a share of the KV blocks in (0, 1], got {shown(value)}")
+    return share
+
+
+def _host(value: Any, key: str, *, wildcard: bool) -> str:
+    """A host name or address; ``wildcard``: a bind address such as 0.0.0.0 is allowed."""
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value) or "/" in value:
+        raise ConnectorConfigError(f"{key} must be a host name or IP address, got {shown(value)}")
+    if not wildcard and value in WILDCARDS:
+        raise ConnectorConfigError(f"{key} must be an address readers can reach, not the wildcard {value!r}")
+    return value
 
 
 def _choice(extra: Mapping[str, Any], key: str, default: Any, choices: tuple[Any, ...]) -> Any:

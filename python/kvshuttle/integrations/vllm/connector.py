@@ -1,6 +1,15 @@
 """``KVShuttleConnector``: the facade vLLM loads (``kv_connector="KVShuttleConnector"``,
 ``kv_connector_module_path="kvshuttle.integrations.vllm"``). It only routes each hook to the scheduler side
-(:mod:`.scheduler`) or the worker side (:mod:`.worker`); every decision is kvshuttle's."""
+(:mod:`.scheduler`) or the worker side (:mod:`.worker`); every decision is kvshuttle's.
+
+No hook can take vLLM down: an exception escaping a hook would kill the EngineCore and every request on it, so
+each per-step hook catches any ``Exception``, has :class:`.guard.HookGuard` log it (once per kind, with the
+request id) and count it (``hook_error.<hook>`` in the connector stats), and returns the safe answer:
+recompute (``(0, False)``), not retained (``(False, None)``), empty metadata, no stats. Where vLLM already
+waits on this side (an asynchronous load it was promised), the safe answer still reports that load, failed,
+so vLLM recomputes instead of waiting forever. Only start-up (configuration, cache registration) raises:
+a misconfigured engine must not start.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from .compat import (
     model_name,
 )
 from .config import ConnectorConfigError, ShuttleConfig
+from .guard import HookGuard
 from .metadata import ShuttleHandshake, ShuttleMetadata
 from .scheduler import ShuttleScheduler
 from .stats import ShuttlePromMetrics, ShuttleStats
@@ -34,41 +44,84 @@ class KVShuttleConnector(KVConnectorBase_V1):
             raise ConnectorConfigError("kvshuttle's vLLM connector supports one worker per engine (TP=PP=1) so far")
         engine_id = str(transfer.engine_id)
         block_size = int(vllm_config.cache_config.block_size)
-        self._scheduler: ShuttleScheduler | None = None
-        self._worker: ShuttleWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             force_recompute_on_load_failure(vllm_config)
-            self._scheduler = ShuttleScheduler(config, engine_id, block_size)
+            self._attach(ShuttleScheduler(config, engine_id, block_size), None)
         else:
-            self._worker = ShuttleWorker(config, engine_id, block_size)
+            self._attach(None, ShuttleWorker(config, engine_id, block_size))
+
+    def _attach(self, scheduler: ShuttleScheduler | None, worker: ShuttleWorker | None) -> None:
+        """Bind this facade to its side (tests build the facade around a side without vLLM this way)."""
+        self._scheduler = scheduler
+        self._worker = worker
+        self._guard = HookGuard()
 
     # -- scheduler side -------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception as exc:
+            self._guard.failed("get_num_new_matched_tokens", exc, request)
+            self._forget(request)
+            return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as exc:
+            self._guard.failed("update_state_after_alloc", exc, request)
+            if isinstance(num_external_tokens, int) and num_external_tokens > 0:
+                try:  # vLLM now waits for this load: it must be reported, failed, or the request hangs
+                    self._scheduler.fail_load(request, blocks, num_external_tokens, f"{exc!r} while scheduling it")
+                except Exception as again:
+                    self._guard.failed("fail_load", again, request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        try:
+            return self._scheduler.build_connector_meta()
+        except Exception as exc:
+            self._guard.failed("build_connector_meta", exc)
+            return ShuttleMetadata()
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        try:
+            return self._scheduler.request_finished(request, block_ids)
+        except Exception as exc:  # the scheduler commits a retention last: nothing was kept
+            self._guard.failed("request_finished", exc, request)
+            self._forget(request)
+            return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output.finished_sending,
-                                                getattr(connector_output, "invalid_block_ids", None))
+        try:
+            sending, recving = self._scheduler.update_connector_output(
+                connector_output.finished_sending, getattr(connector_output, "invalid_block_ids", None),
+                getattr(connector_output, "finished_recving", None))
+            # vLLM frees and admits from these right after this hook: only ids this side vouches for
+            connector_output.finished_sending = sending or None
+            connector_output.finished_recving = recving or None
+        except Exception as exc:
+            self._guard.failed("update_connector_output", exc)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self._scheduler is not None
-        first = metadata.get(0)
-        if isinstance(first, ShuttleHandshake):
-            self._scheduler.address = first
+        try:
+            first = metadata.get(0)
+            if isinstance(first, ShuttleHandshake):
+                self._scheduler.address = first
+        except Exception as exc:  # without an address nothing is retained (counted there)
+            self._guard.failed("set_xfer_handshake_metadata", exc)
+
+    def _forget(self, request: Any) -> None:
+        assert self._scheduler is not None
+        try:
+            self._scheduler.forget(request)
+        except Exception as exc:
+            self._guard.failed("forget", exc, request)
 
     # -- worker side ----------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -80,9 +133,12 @@ class KVShuttleConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, ShuttleMetadata)
-        self._worker.start(meta)
+        try:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, ShuttleMetadata)
+            self._worker.start(meta)
+        except Exception as exc:
+            self._guard.failed("start_load_kv", exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -95,22 +151,39 @@ class KVShuttleConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        sending, recving = self._worker.finished(finished_req_ids)
+        try:
+            sending, recving = self._worker.finished(finished_req_ids)
+        except Exception as exc:  # worker.finished itself does not raise; this is the last line
+            self._guard.failed("get_finished", exc)
+            return None, None
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors() if self._worker is not None else set()
+        if self._worker is None:
+            return set()
+        try:
+            return self._worker.load_errors()
+        except Exception as exc:
+            self._guard.failed("get_block_ids_with_load_errors", exc)
+            return set()
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown()
+            try:
+                self._worker.shutdown()
+            except Exception as exc:
+                self._guard.failed("shutdown", exc)
 
     # -- observability (both sides) -------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> ShuttleStats | None:
-        stats = self._scheduler.take_stats() if self._scheduler is not None else None
-        if self._worker is not None:
-            stats = self._worker.take_stats()
-        return None if stats is None or stats.is_empty() else stats
+        try:
+            side = self._scheduler if self._scheduler is not None else self._worker
+            stats = side.take_stats() if side is not None else ShuttleStats(data={})
+        except Exception as exc:
+            self._guard.failed("get_kv_connector_stats", exc)
+            stats = ShuttleStats(data={})
+        stats.data.update(self._guard.take())
+        return None if stats.is_empty() else stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> ShuttleStats:

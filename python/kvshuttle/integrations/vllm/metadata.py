@@ -9,19 +9,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...policy import Decision
+from ...policy import Decision, KVHandle
 from .compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Read ``decision``'s blocks of the handle in ``params`` into ``local_block_ids`` for ``request_id``."""
+    """Read ``decision``'s blocks of ``handle`` (authenticated by the scheduler) into ``local_block_ids`` for
+    ``request_id``. ``failure`` (no handle): report the load failed at once, its blocks invalid.
+
+    ``decided_at`` is ``time.monotonic()`` in the EngineCore process when the load was scheduled; the load's
+    deadline counts from it (``+ kvshuttle_load_timeout_s``), not from when the worker gets to it. The worker
+    runs on the same host, and CLOCK_MONOTONIC is one clock for every process of a host.
+    """
 
     request_id: str
-    params: dict[str, Any]
+    handle: KVHandle | None
     decision: Decision
     local_block_ids: tuple[int, ...]
     num_tokens: int  # prompt length
+    decided_at: float
+    failure: str = ""
 
 
 @dataclass(frozen=True)

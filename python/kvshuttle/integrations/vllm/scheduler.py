@@ -8,17 +8,28 @@ finished requests. Where a block goes from "request finished" to "freed":
    prompt for its decode: ``do_remote_decode``; a decode's prompt + answer for the next turn's prefill, with
    ``bidirectional_kv_xfer``) keeps its blocks (vLLM frees them only when the worker reports the request in
    ``finished_sending``) and gets a handle: an unguessable id, the blocks, their digests, the expiry, the
-   worker's side-channel address. A ``RetainJob`` carries it to the worker in the next step's metadata.
+   worker's side-channel address, signed with the deployment secret (``kvshuttle_mac``). A ``RetainJob``
+   carries it to the worker in the next step's metadata. With ``kvshuttle_retain: "granted"`` (the default)
+   only requests whose params carry a router's valid ``kvshuttle_grant`` are kept: a client talking to vLLM
+   directly cannot make it hold memory.
 2. The worker's retention ledger holds the blocks until the handle ends: its TTL passes
    (``decoder_kv_blocks_ttl`` / ``kv_lease_duration``; swept every step), it is released, the retention budget
    evicts it (least recently used first, never one being read), or a use-once read completes. Reads in flight
    pin it: an end takes effect when the last read finishes.
 3. The ledger's ``on_release`` names the request; the worker reports it in ``finished_sending``; vLLM's
    scheduler frees the blocks (reference-counted: blocks shared with a later turn stay).
+
+Handles arriving in a request's params are untrusted: each is authenticated (its MAC under the deployment
+secret) before anything else; a forged or edited one recomputes and connects nowhere.
+
+Per-request state lives only while vLLM holds the request: ``_decisions`` and ``_reads`` until
+``request_finished``, ``_held`` until the worker reports the blocks free (``finished_sending``), ``_awaiting``
+until it reports the load (``finished_recving``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -27,11 +38,13 @@ from typing import Any
 from ...core.blocks import blocks_for_tokens
 from ...errors import KVShuttleError
 from ...policy import Decision, KVHandle, block_digests, decide, parse_handle
+from ...policy.decision import Reason
 from ...policy.kv_handle import PREFIX
 from ...transfer.board import PUBLISH_KEY, check_publish_key
+from ...trust import GRANT_FIELD, DeploymentSecret, grant_valid
 from .config import ShuttleConfig
 from .metadata import LoadJob, Publication, RetainJob, ShuttleHandshake, ShuttleMetadata
-from .requests import block_table, finished_normally
+from .requests import block_table, finished_normally, unsupported
 from .stats import ShuttleStats
 
 log = logging.getLogger("vllm.kvshuttle")  # under vLLM's logger: its handler shows INFO lines
@@ -39,17 +52,20 @@ CONSUMED = PREFIX + "consumed"  # set in a request's params once its load is sch
 
 
 class ShuttleScheduler:
-    def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int) -> None:
+    def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
+                 secret: DeploymentSecret | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.policy = config.policy()
+        self.secret = secret if secret is not None else config.deployment_secret()
         self.address: ShuttleHandshake | None = None  # the worker's side channel, once it reported it
-        self._decisions: dict[str, tuple[int, Decision]] = {}  # request -> (local hit, decision) awaiting alloc
+        self._decisions: dict[str, tuple[int, Decision, KVHandle]] = {}  # request -> awaiting alloc
         self._loads: list[LoadJob] = []
         self._retains: list[RetainJob] = []
         self._publications: list[Publication] = []
         self._held: set[str] = set()  # requests whose blocks wait for the worker's finished_sending
+        self._awaiting: set[str] = set()  # requests whose load went to the worker, until finished_recving
         self._reads: dict[str, tuple[int, frozenset[int]]] = {}  # request -> (tokens read, target blocks)
         self._warned: set[str] = set()
         self.counts: dict[str, int] = {}
@@ -58,9 +74,10 @@ class ShuttleScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens to read (asynchronously) beyond the local hit; (0, False) to compute them. No side effects
         on vLLM's state: it may ask again for the same request."""
+        self._decisions.pop(request.request_id, None)  # asked again: decide afresh
         params = request.kv_transfer_params
-        if not params or params.get(CONSUMED) or (PREFIX + "version") not in params:
-            if params and params.get("remote_block_ids") and (PREFIX + "version") not in params:
+        if not isinstance(params, dict) or not params or params.get(CONSUMED) or (PREFIX + "version") not in params:
+            if isinstance(params, dict) and params.get("remote_block_ids") and (PREFIX + "version") not in params:
                 self._warn_once("foreign", "kvshuttle: kv_transfer_params from another connector (no kvshuttle "
                                            "handle): they cannot be verified, recomputing")
             return 0, False
@@ -68,8 +85,13 @@ class ShuttleScheduler:
             self._warn_once("bidir", "kvshuttle: a decode handle reached this engine, but bidirectional_kv_xfer is "
                                      "off here: recomputing (enable it on prefill and decode)")
             return 0, False
-        handle = parse_handle(params)
-        if not isinstance(handle, KVHandle):
+        why = unsupported(request)
+        if why:
+            self._warn_once("unsupported", f"kvshuttle: request {request.request_id} carries a handle but {why}: "
+                                           "its tokens do not name its KV, recomputing (logged once)")
+            return 0, False
+        handle = parse_handle(params, secret=self.secret, local_hit_tokens=num_computed_tokens)
+        if not isinstance(handle, KVHandle):  # absent, malformed, forged or edited: nothing is contacted
             self._record(request.request_id, handle)
             return 0, False
         decision = decide(request.prompt_token_ids, local_hit_tokens=num_computed_tokens, handle=handle,
@@ -83,24 +105,47 @@ class ShuttleScheduler:
         if not decision.fetch:
             self._record(request.request_id, decision)
             return 0, False
-        self._decisions[request.request_id] = (num_computed_tokens, decision)
+        self._decisions[request.request_id] = (num_computed_tokens, decision, handle)
         return decision.fetch_tokens, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
         held = self._decisions.pop(request.request_id, None)
-        if held is None:
+        if num_external_tokens <= 0 or held is None:
+            if num_external_tokens > 0:  # vLLM waits for a load this side never planned: report it failed
+                self.fail_load(request, blocks, num_external_tokens, "no decision was held for it")
             return
-        local_hit, decision = held
+        local_hit, decision, handle = held
         table = block_table(blocks)
         first = local_hit // self.block_size
         local = tuple(table[first:first + blocks_for_tokens(decision.fetch_tokens, self.block_size)])
+        job = LoadJob(request.request_id, handle, decision, local, len(request.prompt_token_ids), time.monotonic())
+        self._record(request.request_id, decision)
+        # commit last (nothing below can fail): a load is queued exactly when vLLM waits for it
         request.kv_transfer_params[CONSUMED] = True  # the same dict survives preemption: never load twice
         self._reads[request.request_id] = (decision.fetch_tokens, frozenset(local))
-        self._loads.append(LoadJob(request.request_id, dict(request.kv_transfer_params), decision, local,
-                                   len(request.prompt_token_ids)))
-        self._record(request.request_id, decision)
+        self._loads.append(job)
+        self._awaiting.add(request.request_id)
+
+    def fail_load(self, request: Any, blocks: Any, num_external_tokens: int, why: str) -> None:
+        """vLLM waits for ``num_external_tokens`` of ``request`` that will not come (a bug on this side): queue a
+        load the worker reports at once as failed, its target blocks invalid, so vLLM recomputes them instead of
+        waiting forever (vLLM has no timeout for a load)."""
+        request_id = request.request_id
+        if any(job.request_id == request_id for job in self._loads):  # its load is queued already
+            return
+        held = self._decisions.pop(request_id, None)
+        local_hit = held[0] if held is not None else 0
+        try:
+            table = block_table(blocks)
+        except Exception:
+            table = []
+        first = local_hit // self.block_size
+        local = tuple(table[first:first + blocks_for_tokens(num_external_tokens, self.block_size)])
+        decision = held[1] if held is not None else Decision("recompute", Reason.NO_HANDLE, why)
+        self._reads.pop(request_id, None)
+        self._loads.append(LoadJob(request_id, None, decision, local, 0, time.monotonic(), failure=why))
+        self._awaiting.add(request_id)
+        self._count("load_failed")
 
     def build_connector_meta(self) -> ShuttleMetadata:
         meta = ShuttleMetadata(self._loads, self._retains, self._publications)
@@ -109,31 +154,76 @@ class ShuttleScheduler:
 
     # -- finished requests ----------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        self._decisions.pop(request.request_id, None)
-        read, _ = self._reads.pop(request.request_id, (0, frozenset()))
+        """Decide everything first, then commit: nothing after the commit can fail, so a True answer always
+        has its RetainJob queued (vLLM keeps the blocks only for the worker's finished_sending)."""
+        request_id = request.request_id
+        self._decisions.pop(request_id, None)
+        read, _ = self._reads.pop(request_id, (0, frozenset()))
         params = request.kv_transfer_params
-        keep, out = self._retain(request, block_ids, params, read)
-        key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
-        if key is not None:  # a streaming router takes the params from the worker's board (board.py)
-            try:
-                self._publications.append(Publication(request.request_id, check_publish_key(key), out))
-            except KVShuttleError as exc:
-                self._warn_once("publish_key", f"kvshuttle: not publishing request {request.request_id}: {exc}")
-        return keep, out
+        job, out = self._retention(request, block_ids, params, read)
+        publication = self._publication(request_id, params, out)
+        if job is not None:
+            self._retains.append(job)
+            self._held.add(request_id)
+            self._count("retained")
+        if publication is not None:
+            self._publications.append(publication)
+        return job is not None, out
 
-    def _retain(self, request: Any, block_ids: Any, params: Any, read: int) -> tuple[bool, dict[str, Any] | None]:
-        if not params or not finished_normally(request):
-            return False, None
+    def forget(self, request: Any) -> None:
+        """Drop every trace of ``request`` here (a hook failed for it); a router waiting for its publication is
+        told that nothing was retained."""
+        request_id = getattr(request, "request_id", None)
+        if not isinstance(request_id, str):
+            return
+        self._decisions.pop(request_id, None)
+        self._reads.pop(request_id, None)
+        params = getattr(request, "kv_transfer_params", None)
+        key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
+        if key is not None and request_id not in self._held:
+            with contextlib.suppress(KVShuttleError):
+                self._publications.append(Publication(request_id, check_publish_key(key), None))
+
+    def _publication(self, request_id: str, params: Any, out: dict[str, Any] | None) -> Publication | None:
+        key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
+        if key is None:  # a streaming router takes the params from the worker's board (board.py)
+            return None
+        if self.config.retain == "granted" and not grant_valid(self.secret, params.get(GRANT_FIELD)):
+            self._count("publish_refused_no_grant")  # a direct client must not fill the bounded board
+            return None
+        try:
+            return Publication(request_id, check_publish_key(key), out)
+        except KVShuttleError as exc:
+            self._warn_once("publish_key", f"kvshuttle: not publishing request {request_id}: {exc}")
+            return None
+
+    def _retention(self, request: Any, block_ids: Any, params: Any,
+                   read: int) -> tuple[RetainJob | None, dict[str, Any] | None]:
+        """The RetainJob and returned params for a finished request, or (None, None); no side effects but
+        counters."""
+        if not isinstance(params, dict) or not params or not finished_normally(request):
+            return None, None
         prefill = bool(params.get("do_remote_decode"))  # this engine prefilled for a decode
         if not prefill and not self.config.bidirectional:
-            return False, None
+            return None, None
+        if self.config.retain == "granted" and not grant_valid(self.secret, params.get(GRANT_FIELD)):
+            self._warn_once("retain_refused_no_grant",
+                            f"kvshuttle: request {request.request_id} not retained: its kv_transfer_params carry no "
+                            f"valid {GRANT_FIELD} (a router of this deployment grants retention; set "
+                            "kvshuttle_retain: \"always\" behind a proxy that sends none). Logged once, counted")
+            return None, None
+        why = unsupported(request)
+        if why:
+            self._warn_once("unsupported", f"kvshuttle: request {request.request_id} not retained: {why}, so its "
+                                           "tokens do not name its KV (logged once)")
+            return None, None
         if self.address is None:
             self._warn_once("address", "kvshuttle: the worker has not reported its side channel; nothing retained")
-            return False, None
+            return None, None
         tokens = int(request.num_computed_tokens)
         table = block_table(block_ids)[:blocks_for_tokens(tokens, self.block_size)]
         if tokens <= 0 or len(table) != blocks_for_tokens(tokens, self.block_size):
-            return False, None
+            return None, None
         ttl = self.config.prefill_ttl_s if prefill else self.config.decode_ttl_s
         now = time.time()
         digests = tuple(block_digests(list(request.all_token_ids[:tokens]), self.block_size,
@@ -141,27 +231,44 @@ class ShuttleScheduler:
         handle = KVHandle(self.engine_id, request.request_id, self.address.host, self.address.port, tuple(table),
                           tokens, now + ttl, 1, secrets.token_urlsafe(18), 0, self.block_size, digests, now, ttl)
         once = prefill or self.config.reads == "use_once"  # a prompt is read by its one decode
-        self._retains.append(RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens,
-                                       self.block_size, ttl, once))
-        self._held.add(request.request_id)
-        self._count("retained")
-        out = handle.to_kv_transfer_params()
+        job = RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens, self.block_size,
+                        ttl, once)
+        out = handle.to_kv_transfer_params(self.secret)  # fresh: the request's grant is never echoed
         # vLLM's proxy protocol: a prefill's params send its decode to read (do_remote_prefill); a decode's
         # send the next turn's prefill to read back (do_remote_decode).
         out.update(do_remote_prefill=prefill, do_remote_decode=not prefill, transfer_mode="pull")
         out[PREFIX + "read_tokens"] = read  # what this request itself read from its peer (proof of reuse)
-        return True, out
+        return job, out
 
-    def update_connector_output(self, finished_sending: set[str] | None, invalid_block_ids: set[int] | None) -> None:
-        for request_id in finished_sending or ():
-            self._held.discard(request_id)
+    def update_connector_output(self, finished_sending: set[str] | None, invalid_block_ids: set[int] | None,
+                                finished_recving: set[str] | None = None) -> tuple[set[str], set[str]]:
+        """Take the worker's report; returns (finished_sending, finished_recving) as vLLM may see them: ids this
+        side never kept, or never scheduled a load for, or already saw reported, are dropped (counted, logged
+        once). vLLM asserts on such an id, and that would take the whole EngineCore down."""
+        sending, recving = set(finished_sending or ()), set(finished_recving or ())
+        stray = (sending - self._held) | (recving - self._awaiting)
+        if stray:
+            self.counts["stray_report"] = self.counts.get("stray_report", 0) + len(stray)
+            self._log_once("stray_report", f"kvshuttle: the worker reported requests {sorted(stray)[:5]} that this "
+                                            "side holds no blocks or load for; not passed on to vLLM")
+        sending &= self._held
+        recving &= self._awaiting
+        self._held -= sending
+        self._awaiting -= recving
         if invalid_block_ids:  # a read that failed: vLLM recomputes those blocks, so nothing was reused
             for request_id, (_, blocks) in list(self._reads.items()):
                 if blocks & invalid_block_ids:
                     self._reads[request_id] = (0, blocks)
                     self._count("load_failed")
+        return sending, recving
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
+    def state_sizes(self) -> dict[str, int]:
+        """How many entries each per-request structure holds (all return to 0 when no request is in flight)."""
+        return {"decisions": len(self._decisions), "loads": len(self._loads), "retains": len(self._retains),
+                "publications": len(self._publications), "held": len(self._held), "reads": len(self._reads),
+                "awaiting": len(self._awaiting)}
+
     def take_stats(self) -> ShuttleStats:
         """Decisions counted since the last call (vLLM merges them with the worker's)."""
         stats, self.counts = ShuttleStats.counting(self.counts, "decision"), {}
@@ -172,13 +279,17 @@ class ShuttleScheduler:
         if decision.fetch:
             log.info("kvshuttle: request %s reads %d tokens (%s)", request_id, decision.fetch_tokens, decision.message)
         elif decision.reason.value != "no_handle":
-            log.info("kvshuttle: request %s recomputes, because %s", request_id, decision.message)
+            log.info("kvshuttle: request %s recomputes, because %s: %s", request_id, decision.reason.value,
+                     decision.message)
 
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
     def _warn_once(self, key: str, message: str) -> None:
         self._count(key)
+        self._log_once(key, message)
+
+    def _log_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message)

@@ -59,8 +59,8 @@ class ShuttlePromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         counter, gauge = self._counter_cls, self._gauge_cls
-        self._events = counter(name="vllm:kvshuttle_events", documentation="kvshuttle decisions, reads and "
-                               "refusals, by kind (e.g. decision.fetch, read.claim_refused)",
+        self._events = counter(name="vllm:kvshuttle_events", documentation="kvshuttle decisions, reads, "
+                               "refusals and hook errors, by kind (e.g. decision.fetch, read.claim_refused)",
                                labelnames=[*labelnames, "kind"])
         self._tokens = counter(name="vllm:kvshuttle_tokens_read", documentation="Tokens whose KV was read from a "
                                "peer instead of computed", labelnames=labelnames)
@@ -72,7 +72,7 @@ class ShuttlePromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
-            if key.startswith(("decision.", "read.", "refused.")):
+            if key.startswith(("decision.", "read.", "refused.", "hook_error.")):
                 self._events.labels(*labels, key).inc(value)
         self._tokens.labels(*labels).inc(transfer_stats_data.get("tokens_read", 0))
         self._bytes.labels(*labels).inc(transfer_stats_data.get("bytes_read", 0))

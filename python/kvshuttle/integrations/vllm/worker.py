@@ -1,52 +1,66 @@
 """The worker side (vLLM's worker process): serve this engine's KV blocks, keep finished ones, read others'.
 
 One TransferEngine per worker plays both roles on one NIXL agent: owner (its side channel answers claims
-against the retention ledger, NIXL reads its registered cache) and reader (a loader thread runs each
-scheduled load: claim, read, confirm). The ledger lives here, where claims are answered and the data is
-served; the scheduler pins the blocks until this side reports the request in ``finished_sending``.
+against the retention ledger, NIXL reads its registered cache) and reader (a bounded pool of loader threads,
+``kvshuttle_max_concurrent_loads``, runs the scheduled loads concurrently: claim, read, confirm). The ledger
+lives here, where claims are answered and the data is served; the scheduler pins the blocks until this side
+reports the request in ``finished_sending``.
 
 Loads never fail a request: a refused, expired, evicted or failed read reports the request's target blocks
 as invalid, and vLLM recomputes from the first of them (the scheduler side forces
-``kv_load_failure_policy="recompute"``). Every load ends within ``kvshuttle_load_timeout_s``, so a request
-never waits forever for KV.
+``kv_load_failure_policy="recompute"``). Every load ends within ``kvshuttle_load_timeout_s`` of the scheduling
+decision (``LoadJob.decided_at``), however long it queued here, so a request never waits forever for KV; one
+frozen decode costs each load at most its detection time, not the sum of every earlier load's.
+
+Per-request state lives only while the request does: a load's entry until it is reported, a retention's until
+its ``finished_sending`` is reported; ids vLLM names as finished are kept only for requests this worker still
+tracks (others for a few steps, in case their retention is on its way).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ...core.layout import PagedKVCache
-from ...errors import KVShuttleError
-from ...policy import KVHandle, parse_handle
 from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, TransferEngine
+from ...trust import DeploymentSecret
 from .config import ConnectorConfigError, ShuttleConfig
-from .metadata import LoadJob, ShuttleHandshake, ShuttleMetadata
+from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata
 from .stats import ShuttleStats
 
 log = logging.getLogger("vllm.kvshuttle")
 UNKNOWN_HANDLE_GRACE_S = 0.5  # the owner's ledger learns of a fresh handle one engine step after issuing it
+UNMATCHED_STEPS = 8  # steps a finished id without a retention here is kept, in case its RetainJob is late
 
 
 class ShuttleWorker:
-    def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int) -> None:
+    def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
+                 secret: DeploymentSecret | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        self.secret = secret if secret is not None else config.deployment_secret()
         self.engine: TransferEngine | None = None
         self.ledger: RetentionLedger | None = None
         self.reader: ReuseReader | None = None
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-load")
+        self._loader = ThreadPoolExecutor(config.max_concurrent_loads, thread_name_prefix="kvshuttle-load")
         self._lock = threading.Lock()
-        self._loading: dict[str, Future[ReuseResult]] = {}
-        self._released: set[str] = set()  # requests whose retention ended (to report once vLLM named them)
-        self._seen_finished: set[str] = set()  # ids vLLM passed as finished (finished_sending must be among them)
+        self._loading: dict[str, tuple[Future[ReuseResult], LoadJob]] = {}  # submitted, not yet reported
+        self._failed: dict[str, tuple[int, ...]] = {}  # loads that never ran: reported failed next step
+        self._retained: set[str] = set()  # requests whose RetainJob came here and are not reported yet
+        self._released: set[str] = set()  # of those, the ones whose retention ended
+        self._seen_finished: set[str] = set()  # of those, the ones vLLM named finished (a report needs both)
+        self._unmatched: dict[str, int] = {}  # finished ids with no retention here (yet) -> step seen
+        self._step = 0
         self._load_errors: set[int] = set()
-        self._results: list[ReuseResult] = []  # finished loads since the last stats read
+        self._stats = ShuttleStats(data={})  # finished loads and notifications since the last stats read
+        self._warned: set[str] = set()
         self.board = HandleBoard()  # handles a streaming router takes (board.py)
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -58,18 +72,21 @@ class ShuttleWorker:
                 f"{self.block_size}; kvshuttle needs them equal (set --block-size to the kernel block size)")
         c = self.config
         self.engine = TransferEngine(cache, EngineConfig(name=f"kvshuttle-{self.engine_id}", backends=c.backends,
-                                                         host=c.host, port=c.port,
-                                                         transfer_timeout_s=c.load_timeout_s))
+                                                         host=c.host, advertise_host=c.advertise_host, port=c.port,
+                                                         transfer_timeout_s=c.load_timeout_s, secret=self.secret))
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         g = cache.geometry
-        self.ledger = RetentionLedger(self.engine_id, host, int(port), ttl_s=c.decode_ttl_s, mode=c.reads,
-                                      budget_blocks=c.budget_blocks, bytes_per_block=g.block_size * g.bytes_per_token,
-                                      on_release=self._on_release)
+        budget = c.retention_budget(g.num_blocks)
+        self.ledger = RetentionLedger(self.engine_id, c.advertise_host or host, int(port), ttl_s=c.decode_ttl_s,
+                                      mode=c.reads, budget_blocks=budget, max_ttl_s=c.max_ttl_s,
+                                      bytes_per_block=g.block_size * g.bytes_per_token, on_release=self._on_release)
         self.engine.claims = self.ledger
         self.engine.board = self.board
-        self.reader = ReuseReader(self.engine, c.policy(), timeout_s=c.load_timeout_s, path=c.path)
-        log.info("kvshuttle: serving %s on %s", g.describe(), address)
+        self.reader = ReuseReader(self.engine, c.policy(), timeout_s=c.load_timeout_s, path=c.path,
+                                  allowed_owners=c.allowed_owners)
+        log.info("kvshuttle: serving %s on %s; retention budget %d of %d blocks, up to %d loads at once",
+                 g.describe(), address, budget, g.num_blocks, c.max_concurrent_loads)
 
     def handshake(self) -> ShuttleHandshake | None:
         if self.ledger is None:
@@ -78,52 +95,57 @@ class ShuttleWorker:
 
     # -- every step -----------------------------------------------------------------------------------------
     def start(self, meta: ShuttleMetadata) -> None:
-        """Take the step's retentions and start its loads (non-blocking)."""
-        if self.ledger is None or self.reader is None:
-            return
+        """Take the step's retentions and start its loads (non-blocking). Each item is handled on its own: one
+        that fails is refused (a retention) or reported failed (a load), never dropped."""
         refused: set[str] = set()
         for job in meta.retains:
-            try:
-                self.ledger.retain(job.request_id, job.block_ids, job.digests, job.num_tokens, job.block_size,
-                                   ttl_s=job.ttl_s, handle_id=job.handle_id, generation=0,
-                                   mode="use_once" if job.use_once else "multi_read")
-            except BudgetExceededError as exc:
-                log.info("kvshuttle: request %s not retained: %s", job.request_id, exc)
+            if not self._retain(job):
                 refused.add(job.request_id)
-                self._on_release(job.request_id)
-            except KVShuttleError as exc:
-                log.warning("kvshuttle: request %s not retained: %s", job.request_id, exc)
-                refused.add(job.request_id)
-                self._on_release(job.request_id)
         for pub in meta.publications:  # after the retains: a published handle is already claimable
-            self.board.put(pub.key, None if pub.request_id in refused else pub.params)
+            try:
+                self.board.put(pub.key, None if pub.request_id in refused else pub.params)
+            except Exception as exc:
+                self._warn_once("publish", f"kvshuttle: publishing request {pub.request_id} failed: {exc!r}")
         for load in meta.loads:
-            with self._lock:
-                self._loading[load.request_id] = self._loader.submit(self._load, load)
+            self._submit(load)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(finished sending, finished receiving) since the last call."""
-        if self.ledger is not None:
-            self.ledger.sweep()  # TTLs: a retention whose time is up is released now
+        """(finished sending, finished receiving) since the last call. Never raises."""
+        self._step += 1
+        self._sweep()
+        self._drain_notifications()
         with self._lock:
-            self._seen_finished |= finished_req_ids
-            sending = self._released & self._seen_finished
+            for request_id in finished_req_ids:
+                if request_id in self._retained:
+                    self._seen_finished.add(request_id)
+                else:
+                    self._unmatched[request_id] = self._step
+            while self._unmatched:  # oldest first (insertion order = step order)
+                request_id, step = next(iter(self._unmatched.items()))
+                if self._step - step <= UNMATCHED_STEPS:
+                    break
+                del self._unmatched[request_id]
+            sending = {rid for rid in self._released if rid in self._seen_finished}
             self._released -= sending
             self._seen_finished -= sending
-            done = {rid for rid, f in self._loading.items() if f.done()}
-            for rid in done:
-                result = self._loading.pop(rid).result()
-                self._results.append(result)
+            self._retained -= sending
+            done = {rid for rid, (future, _) in self._loading.items() if future.done()}
+            for request_id in done:
+                future, job = self._loading.pop(request_id)
+                result = self._outcome(future, job)
+                self._stats.add_result(result)
                 self._load_errors.update(result.invalid_block_ids)
+            for request_id, blocks in self._failed.items():
+                self._load_errors.update(blocks)
+                done.add(request_id)
+                self._stats.data["read.not_started"] = self._stats.data.get("read.not_started", 0) + 1
+            self._failed.clear()
         return sending, done
 
     def take_stats(self) -> ShuttleStats:
-        """Reads finished since the last call, and the retention gauges."""
+        """Reads finished since the last call, notifications drained, and the retention gauges."""
         with self._lock:
-            results, self._results = self._results, []
-        stats = ShuttleStats(data={})
-        for result in results:
-            stats.add_result(result)
+            stats, self._stats = self._stats, ShuttleStats(data={})
         if self.ledger is not None:
             metrics = self.ledger.metrics()
             stats.data.update({k: metrics[k] for k in ("retained_blocks", "retained_bytes", "live_handles")})
@@ -134,27 +156,70 @@ class ShuttleWorker:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def state_sizes(self) -> dict[str, int]:
+        """How many entries each per-request structure holds (all return to 0 when no request is in flight)."""
+        with self._lock:
+            return {"loading": len(self._loading), "failed": len(self._failed), "retained": len(self._retained),
+                    "released": len(self._released), "seen_finished": len(self._seen_finished),
+                    "unmatched": len(self._unmatched), "load_errors": len(self._load_errors)}
+
     def shutdown(self) -> None:
-        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._loader.shutdown(wait=True, cancel_futures=True)  # loads in flight end by their deadlines
         if self.reader is not None:
             self.reader.close()
         if self.engine is not None:
             self.engine.close()
 
     # -- internals ------------------------------------------------------------------------------------------
-    def _load(self, job: LoadJob) -> ReuseResult:
-        assert self.reader is not None
-        handle = parse_handle(job.params)
+    def _retain(self, job: RetainJob) -> bool:
+        with self._lock:
+            self._retained.add(job.request_id)
+            if self._unmatched.pop(job.request_id, None) is not None:  # vLLM named it finished already
+                self._seen_finished.add(job.request_id)
         try:
-            if not isinstance(handle, KVHandle):  # cannot happen: the scheduler decided on this very handle
-                raise KVShuttleError(f"the load's params hold no handle: {handle.message}")
-            result = self.reader.fetch(job.decision, handle, job.local_block_ids, job.num_tokens,
-                                       unknown_grace_s=UNKNOWN_HANDLE_GRACE_S)
-        except Exception as exc:  # a bug must cost a recompute, never the engine (get_finished re-raises)
+            if self.ledger is None:
+                raise ConnectorConfigError("the worker has no KV cache registered")
+            self.ledger.retain(job.request_id, job.block_ids, job.digests, job.num_tokens, job.block_size,
+                               ttl_s=job.ttl_s, handle_id=job.handle_id, generation=0,
+                               mode="use_once" if job.use_once else "multi_read")
+            return True
+        except BudgetExceededError as exc:
+            log.info("kvshuttle: request %s not retained: %s", job.request_id, exc)
+        except Exception as exc:  # never the engine: the blocks go back to vLLM at once
+            log.warning("kvshuttle: request %s not retained: %r", job.request_id, exc)
+        self._on_release(job.request_id)
+        return False
+
+    def _submit(self, job: LoadJob) -> None:
+        if job.failure or job.handle is None or self.reader is None:
+            log.info("kvshuttle: request %s recomputes, because its load could not start: %s", job.request_id,
+                     job.failure or "no reader")
+            with self._lock:
+                self._failed[job.request_id] = tuple(job.local_block_ids)
+            return
+        try:
+            future = self._loader.submit(self._load, job)
+        except RuntimeError as exc:  # the pool is shut down
+            log.info("kvshuttle: request %s recomputes, because its load could not start: %s", job.request_id, exc)
+            with self._lock:
+                self._failed[job.request_id] = tuple(job.local_block_ids)
+            return
+        with self._lock:
+            self._loading[job.request_id] = (future, job)
+
+    def _load(self, job: LoadJob) -> ReuseResult:
+        assert self.reader is not None and job.handle is not None
+        deadline = job.decided_at + self.config.load_timeout_s
+        try:
+            if time.monotonic() >= deadline:  # it waited out its whole budget in the queue
+                result = self._failure(job, Failure.TRANSFER_TIMEOUT, f"the load waited {self.config.load_timeout_s:g} "
+                                       "s (kvshuttle_load_timeout_s) for a loader thread")
+            else:
+                result = self.reader.fetch(job.decision, job.handle, job.local_block_ids, job.num_tokens,
+                                           unknown_grace_s=UNKNOWN_HANDLE_GRACE_S, deadline=deadline)
+        except Exception as exc:  # a bug must cost a recompute, never the engine
             log.exception("kvshuttle: load of request %s failed", job.request_id)
-            result = ReuseResult("recompute", Failure.TRANSFER_FAILED.value, f"recompute, because {exc}",
-                                 job.num_tokens, job.decision.local_tokens, 0, tuple(job.local_block_ids),
-                                 job.decision)
+            result = self._failure(job, Failure.TRANSFER_FAILED, repr(exc))
         if result.action == "fetched":
             telemetry = result.telemetry
             log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %s path) in %.1f ms", job.request_id,
@@ -164,6 +229,45 @@ class ShuttleWorker:
             log.info("kvshuttle: request %s recomputes, because %s: %s", job.request_id, result.reason, result.message)
         return result
 
+    def _outcome(self, future: Future[ReuseResult], job: LoadJob) -> ReuseResult:
+        try:
+            return future.result()
+        except BaseException as exc:  # cancelled at shutdown: the blocks were never written
+            return self._failure(job, Failure.TRANSFER_FAILED, repr(exc))
+
+    @staticmethod
+    def _failure(job: LoadJob, failure: Failure, why: str) -> ReuseResult:
+        local = job.decision.local_tokens
+        return ReuseResult("local" if local > 0 else "recompute", failure.value, f"recompute, because {why}",
+                           job.num_tokens, local, 0, tuple(job.local_block_ids), job.decision)
+
+    def _sweep(self) -> None:
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.sweep()  # TTLs: a retention whose time is up is released now
+        except Exception as exc:
+            self._warn_once("sweep", f"kvshuttle: the retention sweep failed: {exc!r}")
+
+    def _drain_notifications(self) -> None:
+        """Readers' NIXL completion notifications pile up in the agent unless read: drain them every step."""
+        if self.engine is None:
+            return
+        try:
+            count = len(self.engine.notifications())
+        except Exception as exc:
+            self._warn_once("notifications", f"kvshuttle: reading NIXL notifications failed: {exc!r}")
+            return
+        if count:
+            with self._lock:
+                self._stats.data["notifications"] = self._stats.data.get("notifications", 0) + count
+
     def _on_release(self, request_id: str) -> None:
         with self._lock:
-            self._released.add(request_id)
+            if request_id in self._retained:
+                self._released.add(request_id)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message + " (logged once)")
