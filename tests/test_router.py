@@ -14,12 +14,15 @@ import pytest
 
 from kvshuttle.router import FIRST_TURN_PARAMS
 from kvshuttle.router.proxy import NO_PREFILL_PARAMS, PUBLISH_KEY
+from kvshuttle.trust import GRANT_FIELD
 from router_helpers import (
     Conversation,
     Deployment,
     LoopThread,
     deploy,
+    fresh_secret,
     prefill_handles,
+    routing,
     wait_until,
 )
 
@@ -71,6 +74,7 @@ def test_decode_gets_prefill_params_and_both_share_one_request_id(loop: LoopThre
         assert d_body["stream"] is True and "conversation_id" not in d_body
         params = dict(d_body["kv_transfer_params"])
         key = params.pop(PUBLISH_KEY)
+        params.pop(GRANT_FIELD)
         assert isinstance(key, str) and len(key) >= 16
         assert params["remote_request_id"].endswith(p_req["headers"]["X-Request-Id"])
         assert p_req["headers"]["X-Request-Id"] == d_req["headers"]["X-Request-Id"]
@@ -251,13 +255,14 @@ def test_two_replicas_on_redis_share_streamed_turns_even_with_a_slow_board(loop:
                                                                           redis_server: Any) -> None:
     from kvshuttle.router.kv import SideChannelCalls
 
-    calls = SideChannelCalls(threads=2)
+    secret = fresh_secret()
+    calls = SideChannelCalls(secret, threads=2)
 
     async def slow_taker(address: str, key: str, timeout_s: float) -> dict[str, Any] | None:
         await asyncio.sleep(0.3)  # the client's next turn must still find the handle, on the other replica
         return await calls.take(address, key, timeout_s)
 
-    d = deploy(loop, store=redis_server.url, router_kwargs={"taker": slow_taker})
+    d = deploy(loop, store=redis_server.url, router_kwargs={"taker": slow_taker}, secret=secret)
     other = Deployment(loop, d.prefills, d.decodes, d.config, {"taker": slow_taker})
     other.start_router()
     try:
@@ -316,7 +321,7 @@ def test_a_failing_decode_is_retried_elsewhere_without_prefill_params(loop: Loop
         retried = good.requests[0]["body"]["kv_transfer_params"]
         assert answer == ANSWER
         assert bad.requests[0]["body"]["kv_transfer_params"]["remote_block_ids"] == [1, 2, 3]
-        assert {k: v for k, v in retried.items() if k != PUBLISH_KEY} == NO_PREFILL_PARAMS
+        assert routing(retried) == NO_PREFILL_PARAMS
         assert d.metric("kvshuttle_router_retries_total", role="decode") == 1
     finally:
         d.close()
@@ -349,8 +354,8 @@ def test_prefills_all_down_or_hanging_the_decode_alone_answers(loop: LoopThread)
         d.prefills[0].behaviour = "fail"
         assert chat.turn(stream=False) == ANSWER
         bodies = [r["body"]["kv_transfer_params"] for r in d.decodes[0].requests]
-        assert {k: v for k, v in bodies[0].items() if k != PUBLISH_KEY} == NO_PREFILL_PARAMS
-        assert bodies[1] == NO_PREFILL_PARAMS
+        assert routing(bodies[0]) == NO_PREFILL_PARAMS
+        assert routing(bodies[1]) == NO_PREFILL_PARAMS
     finally:
         d.close()
 

@@ -30,6 +30,7 @@ from router_helpers import (
     Conversation,
     LoopThread,
     free_port,
+    fresh_secret,
 )
 
 pytest_plugins = ["router_fixtures"]  # loop, redis_server
@@ -56,6 +57,9 @@ def test_malformed_backends_are_named_errors(text: str) -> None:
     ({"connector": "lmcache"}, "connector"), ({"reads": "twice"}, "reads"), ({"store": "mysql://x"}, "store"),
     ({"tenant_header": "X-T", "api_keys": {"k": "t"}}, "not both"), ({"max_conversations": 0}, "max_conv"),
     ({"connector": "nixl", "decode": [BackendSpec("http://h:1", "tcp://h:2")]}, "side channel"),
+    ({"max_body_bytes": 0}, "max_body_bytes"), ({"max_store_bytes": 1.5}, "max_store_bytes"),
+    ({"body_timeout_s": 0.0}, "body_timeout_s"), ({"client_write_timeout_s": -1.0}, "client_write_timeout_s"),
+    ({"client_idle_timeout_s": float("inf")}, "client_idle_timeout_s"), ({"secret": "hunter2"}, "DeploymentSecret"),
 ])
 def test_inconsistent_settings_are_refused(change: dict[str, Any], match: str) -> None:
     config = RouterConfig(**{"prefill": P, "decode": D, **change})
@@ -75,8 +79,11 @@ def test_api_key_files(tmp_path: Path) -> None:
 
 
 # -- handles -----------------------------------------------------------------------------------------------------
+SECRET = fresh_secret()
+
+
 def _kvshuttle_params() -> dict[str, Any]:
-    decode = FakeVllm("decode", side_channel=False)
+    decode = FakeVllm("decode", side_channel=False, secret=SECRET)
 
     class _Req:
         def __init__(self) -> None:
@@ -89,21 +96,21 @@ def _kvshuttle_params() -> dict[str, Any]:
 
 def test_kvshuttle_handles_are_parsed_strictly() -> None:
     params = _kvshuttle_params()
-    stored, life = checked_handle(params, "kvshuttle")
+    stored, life = checked_handle(params, "kvshuttle", SECRET)
     assert stored == params and life == 480.0
     for broken in ({**params, "kvshuttle_digests": "zz"}, {**params, "remote_port": 0}, [params], {"a": {1, 2}}):
         with pytest.raises(InvalidHandle):
-            checked_handle(broken, "kvshuttle")
+            checked_handle(broken, "kvshuttle", SECRET)
 
 
 def test_nixl_handles_are_checked_by_vllm_field_names() -> None:
     good = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 5600, "remote_block_ids": [1, 2],
             "do_remote_decode": True, "tp_size": 1}
-    assert checked_handle(good, "nixl") == (good, float("inf"))
+    assert checked_handle(good, "nixl", SECRET) == (good, float("inf"))
     for broken in ({**good, "remote_block_ids": [1, -2]}, {**good, "remote_port": "5600"},
                    {**good, "remote_engine_id": ""}, {**good, "do_remote_decode": "yes"}, {}):
         with pytest.raises(InvalidHandle):
-            checked_handle(broken, "nixl")
+            checked_handle(broken, "nixl", SECRET)
 
 
 def test_a_handle_goes_to_prefill_marked_to_read_back() -> None:
@@ -297,8 +304,8 @@ def test_the_router_command_refuses_a_bad_ttl_pair() -> None:
 def test_takes_reuse_one_connection_per_decode_and_take_once() -> None:
     from kvshuttle.router.kv import SideChannelCalls
 
-    decode = FakeVllm("decode")
-    calls = SideChannelCalls(threads=2)
+    decode = FakeVllm("decode", secret=SECRET)
+    calls = SideChannelCalls(SECRET, threads=2)
     address = f"tcp://{decode.kv_address}"
     try:
         decode.board.put("k1", {"a": 1})
@@ -315,7 +322,7 @@ def test_a_take_from_a_dead_decode_is_a_named_error() -> None:
     from kvshuttle.router.kv import SideChannelCalls
     from kvshuttle.transfer.errors import PeerUnreachableError
 
-    calls = SideChannelCalls(threads=1)
+    calls = SideChannelCalls(SECRET, threads=1)
     try:
         with pytest.raises(PeerUnreachableError):
             asyncio.run(calls.take(f"tcp://127.0.0.1:{free_port()}", "k", 1.0))

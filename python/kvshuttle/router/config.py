@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 from ..errors import shown
+from ..trust import DeploymentSecret, is_loopback
 from .errors import RouterConfigError
+from .redact import redact_url
 
 Connector = Literal["kvshuttle", "nixl"]
 Reads = Literal["use_once", "multi"]
@@ -24,6 +26,7 @@ CONNECTORS: tuple[Connector, ...] = ("kvshuttle", "nixl")
 READS: tuple[Reads, ...] = ("use_once", "multi")
 BALANCES: tuple[Balance, ...] = ("round_robin", "least_loaded")
 DEFAULT_TENANT = "default"  # every request's tenant when neither a tenant header nor API keys are configured
+SECRET_FIELDS = ("api_keys", "backend_api_key", "secret")  # never shown by repr
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,30 @@ def parse_backend(text: str) -> BackendSpec:
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
-    """An API-key file: a JSON object mapping each key to its tenant (``{"sk-a": "team-a", ...}``)."""
+    """An API-key file: a JSON object mapping each key to its tenant (``{"sk-a": "team-a", ...}``).
+
+    Errors name the file and the problem, never its content (a JSON error's position only)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise RouterConfigError(f"cannot read the API-key file {path}: {exc}") from exc
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise RouterConfigError(f"cannot read the API-key file {path}: {why}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        where = f" (line {exc.lineno} column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise RouterConfigError(f"cannot read the API-key file {path}: not JSON{where}") from None
     if not isinstance(data, dict) or not data or not all(
             isinstance(k, str) and k and isinstance(v, str) and v for k, v in data.items()):
         raise RouterConfigError(f"{path} must hold a non-empty JSON object of key -> tenant strings")
     return dict(data)
 
 
-@dataclass
+@dataclass(repr=False)
 class RouterConfig:
-    """Everything a router needs; :meth:`check` validates it (the CLI and tests build it directly)."""
+    """Everything a router needs; :meth:`check` validates it (the CLI and tests build it directly).
+
+    ``repr`` shows the store URL without its password and no key or secret at all."""
 
     prefill: list[BackendSpec]
     decode: list[BackendSpec]
@@ -99,6 +112,28 @@ class RouterConfig:
     backend_api_key: str | None = None  # sent to backends as a bearer token (else the client's is forwarded)
     redis_key_prefix: str = "kvshuttle:router:"
     store_timeout_s: float = 2.0  # one Redis exchange; past it the turn recomputes (3 in a row: Redis skipped 1 s)
+    max_store_bytes: int = 256 << 20  # memory store: approximate bytes of stored handles; LRU beyond
+    # Clients (docs/SECURITY.md): bodies are read whole, bounded, before a turn takes an admission slot.
+    max_body_bytes: int = 4 << 20  # a larger request body is a 413
+    body_timeout_s: float = 30.0  # the whole body must arrive within this (408), however it trickles
+    client_write_timeout_s: float = 30.0  # one write to a client; a client not reading is cut, its backend closed
+    client_idle_timeout_s: float = 75.0  # a kept-alive client connection idle this long is closed
+    # The deployment secret: verifies decode handles before they are stored, signs retention grants and
+    # authenticates side-channel calls. None: DeploymentSecret.resolve() when the router starts.
+    secret: DeploymentSecret | None = field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        shown_fields = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECRET_FIELDS:
+                text = f"<{len(value)} keys>" if f.name == "api_keys" else ("<set>" if value else "None")
+            elif f.name == "store":
+                text = repr(redact_url(value) if value != "memory" else value)
+            else:
+                text = repr(value)
+            shown_fields.append(f"{f.name}={text}")
+        return f"RouterConfig({', '.join(shown_fields)})"
 
     def check(self) -> RouterConfig:
         if not self.prefill or not self.decode:
@@ -110,7 +145,8 @@ class RouterConfig:
         if self.balance not in BALANCES:
             raise RouterConfigError(f"--balance is one of {BALANCES}, got {shown(self.balance)}")
         for name in ("ttl_s", "decode_ttl_s", "sweep_interval_s", "connect_timeout_s", "prefill_timeout_s",
-                     "read_timeout_s", "health_interval_s", "publish_timeout_s", "store_timeout_s"):
+                     "read_timeout_s", "health_interval_s", "publish_timeout_s", "store_timeout_s", "body_timeout_s",
+                     "client_write_timeout_s", "client_idle_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise RouterConfigError(f"{name} must be a positive number of seconds, got {shown(value)}")
@@ -121,6 +157,13 @@ class RouterConfig:
                                     f"({self.decode_ttl_s:g} s, decoder_kv_blocks_ttl); e.g. 450 and 480")
         if not isinstance(self.max_conversations, int) or self.max_conversations <= 0:
             raise RouterConfigError(f"max_conversations must be a positive int, got {shown(self.max_conversations)}")
+        for name in ("max_store_bytes", "max_body_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise RouterConfigError(f"{name} must be a positive int (bytes), got {shown(value)}")
+        if self.secret is not None and not isinstance(self.secret, DeploymentSecret):
+            raise RouterConfigError(f"secret must be a kvshuttle.trust.DeploymentSecret, got "
+                                    f"{type(self.secret).__name__}")
         if not isinstance(self.max_in_flight, int) or self.max_in_flight <= 0:
             raise RouterConfigError(f"max_in_flight must be a positive int, got {shown(self.max_in_flight)}")
         if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
@@ -128,8 +171,24 @@ class RouterConfig:
         if self.tenant_header is not None and self.api_keys:
             raise RouterConfigError("use either --tenant-header or --api-keys, not both")
         if self.store != "memory" and not self.store.startswith(("redis://", "rediss://", "unix://")):
-            raise RouterConfigError(f"--store is 'memory' or a redis:// URL, got {shown(self.store)}")
+            raise RouterConfigError(f"--store is 'memory' or a redis:// URL, got {shown(redact_url(self.store))}")
         if self.connector == "nixl" and any(d.kv_address for d in self.decode):
             raise RouterConfigError("kv=HOST:PORT is kvshuttle's decode side channel; vLLM's NixlConnector has "
                                     "none (drop the suffix or use --connector kvshuttle)")
         return self
+
+
+def check_exposure(host: str, config: RouterConfig, allow_shared_tenant: bool = False) -> None:
+    """RouterConfigError for a bind other hosts can reach while every client would be one tenant.
+
+    With neither API keys nor a trusted tenant header, all clients share the tenant ``default``: anyone who can
+    reach the router can continue (and read back the KV of) any conversation whose id they know or guess.
+    """
+    if is_loopback(host) or config.api_keys or config.tenant_header is not None or allow_shared_tenant:
+        return
+    raise RouterConfigError(
+        f"--host {host or '(all interfaces)'} is reachable from other hosts, but without tenants every client "
+        "shares one and can continue any conversation whose id it knows: configure --api-keys FILE (a JSON "
+        "object of bearer key -> tenant) or --tenant-header NAME (set by a trusted gateway that strips it from "
+        "clients), or pass --allow-shared-tenant to accept one shared tenant (e.g. behind a gateway that "
+        "authenticates every client)")

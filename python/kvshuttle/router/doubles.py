@@ -8,13 +8,17 @@ Not vLLM: no model, no KV. :class:`FakeVllm` answers ``/v1/completions`` and ``/
   ``remote_request_id``) differs from its prompt's is counted ``cross`` (a handle given to the wrong
   conversation or tenant), a later turn without a handle ``lost``;
 * ``decode``: streams ``tokens`` tokens and returns a decode handle: kvshuttle's wire format
-  (:class:`~kvshuttle.policy.KVHandle`, unless ``connector="nixl"``) on non-streaming answers, and, when the
-  request carries ``kvshuttle_publish_key``, on a real kvshuttle side channel (``serve_side_channel``) whose
-  handle board the router takes it from, as kvshuttle's connector does.
+  (:class:`~kvshuttle.policy.KVHandle`, signed with ``secret``, unless ``connector="nixl"``) on non-streaming
+  answers, on a stream's last chunk when ``stream_params`` (vLLM 0.33 does that), and, when the request
+  carries ``kvshuttle_publish_key``, on a real kvshuttle side channel (``serve_side_channel``) whose handle
+  board the router takes it from, as kvshuttle's connector does.
 
+Both roles count the requests that carried a valid retention grant (``kvshuttle_grant`` under ``secret``).
 ``behaviour`` switches failure modes at run time: ``fail`` (HTTP 500), ``die_mid_stream`` (the connection is
-dropped after the first chunk), ``malformed`` (handles the router must refuse), ``hang`` (never answers),
-``unhealthy`` (``/health`` answers 503); ``barrier`` holds requests until that many have
+dropped after the first chunk), ``malformed`` (handles the router must refuse), ``forged`` (a signed handle
+edited afterwards), ``unsigned`` (no MAC), ``hang`` (never answers), ``flood`` (a stream that never ends,
+64 KiB events as fast as they are taken), ``echo_400`` (a 400 whose message echoes the request, as vLLM's
+validation errors may), ``unhealthy`` (``/health`` answers 503); ``barrier`` holds requests until that many have
 arrived. Used by the router's tests and ``kvshuttle bench router``
 (``python -m kvshuttle.router.doubles`` serves a prefill and a decode and prints their addresses as JSON).
 """
@@ -37,6 +41,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..policy.kv_handle import KVHandle
+from ..trust import GRANT_FIELD, DeploymentSecret, grant_valid
 
 BLOCK_SIZE = 16
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -67,6 +72,9 @@ class Stats:
     lost: int = 0  # prefill: later turns (chat) that came without a handle
     issued: int = 0  # decode: handles returned or published
     published: int = 0
+    granted: int = 0  # completion requests whose kv_transfer_params carried a valid retention grant
+    ungranted: int = 0  # ... that carried none, or an invalid one
+    flood_ended: int = 0  # "flood" streams that ended (their reader went away)
     released: list[str] = field(default_factory=list)
     max_active: int = 0  # most completion requests in progress at once
 
@@ -75,8 +83,11 @@ class FakeVllm:
     """One fake vLLM server; see the module docstring. ``start()`` binds a free port."""
 
     def __init__(self, role: str, connector: str = "kvshuttle", tokens: int = 3, delay_s: float = 0.0,
-                 side_channel: bool = True) -> None:
+                 side_channel: bool = True, secret: DeploymentSecret | None = None,
+                 stream_params: bool = False) -> None:
         self.role, self.connector, self.tokens, self.delay_s = role, connector, tokens, delay_s
+        self.secret = secret if secret is not None else DeploymentSecret.resolve()  # as a router resolves it
+        self.stream_params = stream_params  # vLLM 0.33: a stream's last chunk carries kv_transfer_params
         self.behaviour = "ok"
         self.barrier = 0  # > 0: hold each request until this many have arrived (makes overlaps certain)
         self._arrived = 0
@@ -90,6 +101,7 @@ class FakeVllm:
         self.port = 0
         self.board: Any = None
         self._side: Any = None
+        self._zmq: Any = None
         self.kv_host, self.kv_port = "127.0.0.1", 1
         if role == "decode" and connector == "kvshuttle" and side_channel:
             self._serve_side_channel()
@@ -126,12 +138,14 @@ class FakeVllm:
                 return {"op": "pong", "jobs": 0}
             return {"op": "error", "kind": "protocol", "message": f"the double does not serve {op!r}"}
 
-        self._side = SideChannelServer(zmq.Context.instance(), "127.0.0.1", 0, answer)
+        # A context of its own: each side-channel server runs its context's one ZAP (authentication) handler.
+        self._zmq = zmq.Context()
+        self._side = SideChannelServer(self._zmq, "127.0.0.1", 0, answer, secret=self.secret)
         self.kv_port = self._side.port
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self, port: int = 0) -> FakeVllm:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)  # the router bounds what clients send (4 MiB by default)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/health", self._health)
@@ -151,6 +165,7 @@ class FakeVllm:
         if self._side is not None:
             self._side.close()
             self._side = None
+            self._zmq.destroy(linger=0)
 
     # -- endpoints ------------------------------------------------------------------------------------------
     async def _health(self, _: web.Request) -> web.Response:
@@ -176,6 +191,11 @@ class FakeVllm:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
         self.stats.requests += 1
+        sent = body.get("kv_transfer_params")
+        if grant_valid(self.secret, sent.get(GRANT_FIELD) if isinstance(sent, dict) else None):
+            self.stats.granted += 1
+        else:
+            self.stats.ungranted += 1
         if self.keep_requests:
             self.requests.append({"path": request.path, "body": body, "headers": CIMultiDict(request.headers)})
         if self.behaviour == "hang":
@@ -192,6 +212,9 @@ class FakeVllm:
                 await asyncio.sleep(0.01)
         conv = marker(body)
         params = body.get("kv_transfer_params") or {}
+        if self.behaviour == "echo_400":  # vLLM's validation errors may quote the whole request
+            return web.json_response({"object": "error", "message": f"invalid request: {body!r}",
+                                      "type": "BadRequestError", "code": 400}, status=400)
         if self.role == "prefill":
             self._check_handle(body, params, conv)
             return self._answer(request, body, "x", self._prefill_params(conv, request))
@@ -229,7 +252,10 @@ class FakeVllm:
         now = time.time()
         handle = KVHandle(self.name, rid, self.kv_host, self.kv_port, (4, 5, 6), 3 * BLOCK_SIZE, now + 480.0, 1,
                           secrets.token_urlsafe(12), 0, BLOCK_SIZE, (b"\x01" * 16,) * 3, now, 480.0)
-        params = {**handle.to_kv_transfer_params(), "do_remote_decode": True, "do_remote_prefill": False}
+        params = {**handle.to_kv_transfer_params(None if self.behaviour == "unsigned" else self.secret),
+                  "do_remote_decode": True, "do_remote_prefill": False}
+        if self.behaviour == "forged":  # a valid MAC over other blocks: an edit the router must catch
+            params["remote_block_ids"] = [7, 8, 9]
         if self.keep_requests:
             self.issued_params.append(params)
         return params
@@ -255,6 +281,9 @@ class FakeVllm:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await out.prepare(request)
         ident, created, model = f"cmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body.get("model", "fake")
+        if self.behaviour == "flood":
+            await self._flood(out)
+            return out
         for i in range(self.tokens):
             last = i == self.tokens - 1
             choice: dict[str, Any] = ({"index": 0, "delta": {"content": f" tok{i}"}, "logprobs": None,
@@ -263,6 +292,8 @@ class FakeVllm:
                                        "finish_reason": "stop" if last else None})
             chunk = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model, "choices": [choice]}
+            if last and self.stream_params:
+                chunk["kv_transfer_params"] = params
             await out.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
             if self.behaviour == "die_mid_stream":
                 assert request.transport is not None
@@ -275,6 +306,17 @@ class FakeVllm:
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
+
+    async def _flood(self, out: web.StreamResponse) -> None:
+        """Events as fast as the reader takes them, until it goes away (1 GiB at most)."""
+        event = b"data: " + _dumps({"choices": [{"index": 0, "delta": {"content": "x" * (64 << 10)}}]}).encode()
+        try:
+            for _ in range(1 << 14):
+                await out.write(event + b"\n\n")
+        except (ConnectionError, RuntimeError):
+            pass
+        finally:
+            self.stats.flood_ended += 1
 
 
 async def _serve(args: argparse.Namespace) -> None:

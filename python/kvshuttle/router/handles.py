@@ -1,8 +1,10 @@
 """What a handle may look like before the router stores it, and where it is stored.
 
 A backend's ``kv_transfer_params`` are checked before they are kept: kvshuttle's strictly, with the wire
-format's own parser (:meth:`KVHandle.from_kv_transfer_params`); vLLM NixlConnector's by the field names and
-types vLLM reads. Anything else is dropped and counted, never forwarded. Client-supplied params are never
+format's own parser (:meth:`KVHandle.from_kv_transfer_params`), and authenticated: a handle whose
+``kvshuttle_mac`` does not verify under the deployment secret (forged, edited, or from a decode of another
+deployment) is refused (reason ``unauthenticated``); vLLM NixlConnector's by the field names and types vLLM
+reads (it signs nothing). Anything else is dropped and counted, never forwarded. Client-supplied params are never
 looked at at all. A handle is stored under (tenant, conversation): it never reaches another tenant.
 """
 
@@ -12,7 +14,8 @@ import hashlib
 import json
 from typing import Any
 
-from ..policy.kv_handle import HandleFormatError, KVHandle
+from ..policy.kv_handle import HandleAuthError, HandleFormatError, KVHandle
+from ..trust import DeploymentSecret
 from .config import Connector
 
 #: What prefill gets when the router holds nothing for the conversation (vLLM's toy and multi-turn proxies).
@@ -32,10 +35,12 @@ class InvalidHandle(Exception):
         self.reason = reason
 
 
-def checked_handle(params: Any, connector: Connector) -> tuple[dict[str, Any], float]:
+def checked_handle(params: Any, connector: Connector,
+                   secret: DeploymentSecret | None) -> tuple[dict[str, Any], float]:
     """The params to store and their remaining life in seconds (inf: the router's TTL decides).
 
-    Raises :class:`InvalidHandle` for anything malformed or already expired.
+    Raises :class:`InvalidHandle` for anything malformed, unauthenticated under ``secret`` (kvshuttle's
+    handles; None skips the MAC check, for tests of the format only) or already expired.
     """
     if not isinstance(params, dict):
         raise InvalidHandle("not_a_dict", f"kv_transfer_params are a {type(params).__name__}")
@@ -47,7 +52,9 @@ def checked_handle(params: Any, connector: Connector) -> tuple[dict[str, Any], f
         raise InvalidHandle("too_large", f"kv_transfer_params of {size} bytes")
     if connector == "kvshuttle":
         try:
-            handle = KVHandle.from_kv_transfer_params(params)
+            handle = KVHandle.from_kv_transfer_params(params, secret)
+        except HandleAuthError as exc:
+            raise InvalidHandle("unauthenticated", str(exc)) from None
         except HandleFormatError as exc:
             raise InvalidHandle("malformed", str(exc)) from None
         # The decode's own TTL for these blocks, clock-free; a handle issued already dead is not worth a turn.

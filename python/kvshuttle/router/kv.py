@@ -6,7 +6,8 @@ or the default executor. Imported lazily: the router runs without pyzmq in front
 Takes use :func:`kvshuttle.transfer.control.ask_published` (the ``take_published`` op, polled until found or
 ``timeout_s``) over connections kept per decode: one take per streamed turn, and a fresh connection
 (socket, monitor, ZMTP handshake) costs about three times the CPU of the exchange itself. Releases are rare
-and use :func:`~kvshuttle.transfer.control.release_retention` as is.
+and use :func:`~kvshuttle.transfer.control.release_retention` as is. Every call authenticates with the
+deployment secret (the side channel's CURVE handshake; a decode of another deployment is not reached).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..trust import DeploymentSecret
 
 #: (decode side-channel address, publish key, timeout_s) -> the published params, or None
 Taker = Callable[[str, str, float], Awaitable["dict[str, Any] | None"]]
@@ -27,7 +31,8 @@ POLL_S = 0.02  # between two asks while the decode has not published yet
 class SideChannelCalls:
     """The default taker and releaser; see the module docstring. Thread-safe; ``close()`` drops everything."""
 
-    def __init__(self, threads: int = 32, idle_per_address: int = 32) -> None:
+    def __init__(self, secret: DeploymentSecret, threads: int = 32, idle_per_address: int = 32) -> None:
+        self._secret = secret
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvshuttle-router-kv")
         self._idle: dict[str, list[Any]] = {}  # address -> idle Connections (each used by one thread at a time)
         self._lock = threading.Lock()
@@ -41,7 +46,7 @@ class SideChannelCalls:
         from ..transfer.control import release_retention
 
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, release_retention, params)
+        return await loop.run_in_executor(self._pool, lambda: release_retention(params, secret=self._secret))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -89,7 +94,7 @@ class SideChannelCalls:
 
         from ..transfer.side_channel import Connection
 
-        return Connection(zmq.Context.instance(), address), False
+        return Connection(zmq.Context.instance(), address, secret=self._secret), False
 
     def _checkin(self, address: str, conn: Any) -> None:
         with self._lock:

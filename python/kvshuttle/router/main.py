@@ -1,7 +1,9 @@
 """``kvshuttle router``: run the multi-turn router (see :mod:`kvshuttle.router.proxy`).
 
 Prints ``kvshuttle router: listening on http://HOST:PORT`` once it serves (``--port 0`` picks a free port) and
-stops cleanly on SIGINT / SIGTERM.
+stops cleanly on SIGINT / SIGTERM. Secrets (the Redis URL's password, the backends' key) come from the
+environment or a file as well as flags (flags are visible to other users in ``ps``); every log line masks them.
+A bind other hosts can reach needs tenants (``--api-keys`` or ``--tenant-header``) or ``--allow-shared-tenant``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,36 @@ import asyncio
 import importlib
 import json
 import logging
+import os
+import re
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-from .config import BALANCES, CONNECTORS, READS, RouterConfig, load_api_keys, parse_backend
+from .config import BALANCES, CONNECTORS, READS, RouterConfig, check_exposure, load_api_keys, parse_backend
 from .errors import RouterConfigError
+from .redact import (
+    BACKEND_API_KEY_ENV,
+    REDIS_URL_ENV,
+    RedactingFilter,
+    has_password,
+    one_source,
+    read_secret_file,
+    register,
+    scrub,
+    url_secrets,
+)
+
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(i?b)?", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """``4194304``, ``4M``, ``4MiB``, ``256m``, ``1G`` -> bytes (binary multiples)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None or int(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"a size is a positive number of bytes, optionally K, M or G, got {text!r}")
+    return int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[match.group(2).lower()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,16 +53,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connector", choices=CONNECTORS, default="kvshuttle",
                         help="the engines' connector: kvshuttle (streams learn handles) or nixl (vLLM's "
                              "NixlConnector: only non-streamed turns carry a handle to the next)")
-    parser.add_argument("--store", default="memory", help="'memory' or a redis:// URL shared by replicas")
+    parser.add_argument("--store", default=None,
+                        help="'memory' (default unless a Redis URL is configured), 'redis' (the URL from "
+                             f"--redis-url-file, {REDIS_URL_ENV} or --redis-url) or a redis:// URL")
+    parser.add_argument("--redis-url", help=f"the shared store's URL (a password here shows in ps: prefer "
+                                            f"{REDIS_URL_ENV} or --redis-url-file)")
+    parser.add_argument("--redis-url-file", metavar="PATH", help="a file holding the shared store's URL")
     parser.add_argument("--store-timeout", type=float, default=2.0,
                         help="seconds one Redis exchange may take; past it the turn recomputes")
     parser.add_argument("--ttl", type=float, default=450.0, help="seconds a handle is kept (below --decode-ttl)")
     parser.add_argument("--decode-ttl", type=float, default=480.0,
                         help="the decode's retention, decoder_kv_blocks_ttl (checked: --ttl must be below it)")
     parser.add_argument("--max-conversations", type=int, default=100_000, help="memory store bound (LRU beyond)")
+    parser.add_argument("--max-store-bytes", type=byte_size, default=256 << 20,
+                        help="memory store bound in serialized bytes of handles (LRU beyond); default 256M")
     tenants = parser.add_mutually_exclusive_group()
     tenants.add_argument("--tenant-header", help="request header naming the tenant (set by a trusted gateway)")
     tenants.add_argument("--api-keys", help="JSON file {api_key: tenant}; then every request needs a known key")
+    parser.add_argument("--allow-shared-tenant", action="store_true",
+                        help="serve a non-loopback --host without --api-keys or --tenant-header (one tenant for all)")
     parser.add_argument("--reads", choices=READS, default="use_once",
                         help="use_once takes a handle atomically; multi keeps it (match the decode's kvshuttle_reads)")
     parser.add_argument("--balance", choices=BALANCES, default="round_robin")
@@ -45,7 +80,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=1, help="other backends tried per role after a failure")
     parser.add_argument("--publish-timeout", type=float, default=5.0,
                         help="seconds to wait for a streamed turn's handle on the decode's board")
-    parser.add_argument("--backend-api-key", help="bearer token for the backends (default: forward the client's)")
+    parser.add_argument("--max-body-bytes", type=byte_size, default=4 << 20,
+                        help="largest request body (413 beyond); default 4M")
+    parser.add_argument("--body-timeout", type=float, default=30.0,
+                        help="seconds a request body may take to arrive in full (408 beyond)")
+    parser.add_argument("--client-write-timeout", type=float, default=30.0,
+                        help="seconds one write to a client may take; a client not reading is cut")
+    parser.add_argument("--client-idle-timeout", type=float, default=75.0,
+                        help="seconds a kept-alive client connection may sit idle")
+    parser.add_argument("--backend-api-key", help=f"bearer token for the backends (default: forward the client's; "
+                                                  f"prefer {BACKEND_API_KEY_ENV} or --backend-api-key-file)")
+    parser.add_argument("--backend-api-key-file", metavar="PATH", help="a file holding the backends' bearer token")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -54,52 +99,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def config_from(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(
+def store_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """``memory`` or the Redis URL, from ``--store``, ``--redis-url``, ``--redis-url-file`` or the environment."""
+    store = args.store
+    flags: dict[str, str | None] = {
+        "--store": store if store not in (None, "memory", "redis") else None, "--redis-url": args.redis_url,
+        "--redis-url-file": read_secret_file(args.redis_url_file, "the Redis URL") if args.redis_url_file else None}
+    for flag in ("--store", "--redis-url"):
+        if flags[flag] and has_password(flags[flag] or ""):
+            print(f"kvshuttle router: warning: the Redis password is on the command line ({flag}), where other "
+                  f"users can read it (ps); prefer {REDIS_URL_ENV} or --redis-url-file", file=sys.stderr)
+    if store == "memory":
+        if any(flags.values()):
+            raise RouterConfigError("--store memory and a Redis URL: choose one")
+        return "memory"
+    url = one_source("the Redis URL", flags, REDIS_URL_ENV, environ)
+    if url is None and store == "redis":
+        raise RouterConfigError(f"--store redis needs the URL: --redis-url-file PATH, {REDIS_URL_ENV} or --redis-url")
+    register(url_secrets(url) if url else [])
+    return url or "memory"
+
+
+def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    env = os.environ if environ is None else environ
+    backend_key = one_source("the backends' API key", {
+        "--backend-api-key": args.backend_api_key,
+        "--backend-api-key-file": (read_secret_file(args.backend_api_key_file, "the backends' API key")
+                                   if args.backend_api_key_file else None)}, BACKEND_API_KEY_ENV, env)
+    register([backend_key])
+    api_keys = load_api_keys(args.api_keys) if args.api_keys else {}
+    register(api_keys)
+    config = RouterConfig(
         prefill=[parse_backend(u) for u in args.prefill], decode=[parse_backend(u) for u in args.decode],
-        connector=args.connector, store=args.store, ttl_s=args.ttl, decode_ttl_s=args.decode_ttl,
-        max_conversations=args.max_conversations, tenant_header=args.tenant_header,
-        api_keys=load_api_keys(args.api_keys) if args.api_keys else {}, reads=args.reads, balance=args.balance,
-        retries=args.retries, publish_timeout_s=args.publish_timeout, backend_api_key=args.backend_api_key,
-        store_timeout_s=args.store_timeout, max_in_flight=args.max_in_flight,
+        connector=args.connector, store=store_from(args, env), ttl_s=args.ttl, decode_ttl_s=args.decode_ttl,
+        max_conversations=args.max_conversations, tenant_header=args.tenant_header, api_keys=api_keys,
+        reads=args.reads, balance=args.balance, retries=args.retries, publish_timeout_s=args.publish_timeout,
+        backend_api_key=backend_key, store_timeout_s=args.store_timeout, max_in_flight=args.max_in_flight,
+        max_store_bytes=args.max_store_bytes, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+        client_write_timeout_s=args.client_write_timeout, client_idle_timeout_s=args.client_idle_timeout,
     ).check()
+    check_exposure(args.host, config, args.allow_shared_tenant)
+    return config
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message and the record's ``kv`` fields."""
+    """One JSON object per line: time, level, logger, message and the record's ``kv`` fields (secrets masked)."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
                                 "msg": record.getMessage()}
         line.update(getattr(record, "kv", {}))
-        if record.exc_info:
-            line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
+        if record.exc_info or record.exc_text:
+            line["exc"] = record.exc_text or self.formatException(record.exc_info)  # type: ignore[arg-type]
+        return scrub(json.dumps(line, default=str))
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "kv", {})
         extra = " ".join(f"{k}={v}" for k, v in fields.items())
-        return super().format(record) + (" " + extra if extra else "")
+        return scrub(super().format(record) + (" " + extra if extra else ""))
 
 
 def _logging(fmt: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.addFilter(RedactingFilter())
     root = logging.getLogger("kvshuttle.router")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    for name in ("aiohttp", "redis"):  # their warnings and tracebacks go through the same masking handler
+        other = logging.getLogger(name)
+        other.handlers[:] = [handler]
+        other.setLevel(logging.WARNING)
+        other.propagate = False
 
 
 async def serve(config: RouterConfig, host: str, port: int) -> None:
-    from aiohttp import web
-
     from .proxy import Router
 
-    runner = web.AppRunner(Router(config).app(), access_log=None)
+    runner = Router(config).runner()
     await runner.setup()
+    from aiohttp import web
+
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
@@ -118,13 +201,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from(args)
     except RouterConfigError as exc:
-        print(f"kvshuttle router: {exc}", file=sys.stderr)
+        print(f"kvshuttle router: {scrub(str(exc))}", file=sys.stderr)
         return 2
     _logging(args.log_format, args.log_level)
     try:
         _run(args.loop, serve(config, args.host, args.port))
     except RouterConfigError as exc:
-        print(f"kvshuttle router: {exc}", file=sys.stderr)
+        print(f"kvshuttle router: {scrub(str(exc))}", file=sys.stderr)
         return 2
     return 0
 

@@ -34,6 +34,9 @@ class RouterMetrics:
                                  "Handles dropped least recently used at the store's size bound", registry=r)
         self.live = Gauge("kvshuttle_router_live_handles", "Handles in the store (updated on scrape and sweep)",
                           registry=r)
+        self.store_bytes = Gauge("kvshuttle_router_store_bytes",
+                                 "Approximate serialized bytes of the memory store's handles (updated on scrape)",
+                                 registry=r)
         self.added_latency = Histogram("kvshuttle_router_added_latency_seconds",
                                        "Router's own time on a turn's path to its first byte (backend waits "
                                        "excluded)", buckets=LATENCY_BUCKETS, registry=r)
@@ -45,6 +48,12 @@ class RouterMetrics:
                                     registry=r)
         self.client_params_dropped = Counter("kvshuttle_router_client_params_dropped",
                                              "Client-supplied kv_transfer_params dropped (untrusted)", registry=r)
+        self.client_timeouts = Counter("kvshuttle_router_client_timeouts",
+                                       "Clients cut for slowness: body (request body not in time), write (a "
+                                       "streamed answer not read in time)", ["kind"], registry=r)
+        self.events_dropped = Counter("kvshuttle_router_stream_events_dropped",
+                                      "Streamed events naming kv_transfer_params that were not JSON objects "
+                                      "(dropped, never shown)", registry=r)
         self.releases = Counter("kvshuttle_router_releases", "Decode retentions released on DELETE",
                                 ["result"], registry=r)
         # Children bound once: a labels() lookup per request is measurable at 500 req/s.

@@ -2,26 +2,30 @@
 
 Per turn (vLLM's disaggregated proxies' protocol, see ``docs/ARCHITECTURE.md``):
 
-1. tenant (configured header or API key) and conversation (``conversation_id`` body field or
-   ``X-Conversation-Id`` header); client-supplied ``kv_transfer_params`` are dropped, untrusted;
+1. tenant (configured header or API key, checked in constant time) and the whole request body, bounded in
+   size and time and checked (:mod:`.bodies`), all before the turn takes an admission slot; conversation
+   (``conversation_id`` body field or ``X-Conversation-Id`` header); client-supplied ``kv_transfer_params``
+   are dropped, untrusted;
 2. the conversation's stored decode handle is taken (use-once) or read (multi-read) from the store;
 3. prefill: ``stream=false``, ``max_tokens=1``, ``kv_transfer_params`` = the handle (prefill reads the
-   conversation's KV back from the decode) or turn 1's ``{"do_remote_decode": true, ...}``;
-4. decode: the client's request with prefill's returned params, one ``X-Request-Id`` for both; the answer
-   passes through to the client (streamed chunk by chunk, unbuffered);
-5. the decode's returned params are validated and stored for the next turn: from the response body when
-   not streaming; when streaming (vLLM sends no params on streams) from the decode's handle board, under the
-   ``kvshuttle_publish_key`` the router added (kvshuttle's connector only).
+   conversation's KV back from the decode) or turn 1's ``{"do_remote_decode": true, ...}``, with a
+   retention grant (kvshuttle's connector);
+4. decode: the client's request with prefill's returned params and a grant, one ``X-Request-Id`` for both;
+   the answer passes through to the client (streamed event by event, unbuffered, every write bounded in
+   time), without ``kv_transfer_params``;
+5. the decode's returned params are validated, authenticated (their MAC, under the deployment secret) and
+   stored for the next turn: from the response body when not streaming; when streaming from the last chunk
+   (vLLM 0.33) or else from the decode's handle board, under the ``kvshuttle_publish_key`` the router added
+   (kvshuttle's connector only).
 
 Failures degrade: a failed store lookup or prefill makes a recompute turn; a failed backend is retried on
 another one without the handle (a use-once handle is never replayed); only when no decode answers does the
-client get an error.
+client get an error. No error body shows internal exception text (it may hold a secret).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -29,18 +33,26 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
+from ..trust import GRANT_FIELD, DeploymentSecret, TrustError, is_loopback, issue_grant
+from . import relay
+from .auth import ApiKeys, header_tenant
 from .backends import Backend, BackendPool
+from .bodies import CHAT, COMPLETIONS, PRIVATE_MARKERS, BadRequest, client_error_body, parse_body, read_body
 from .config import DEFAULT_TENANT, RouterConfig
-from .errors import StoreError
+from .errors import RouterConfigError, StoreError
 from .handles import InvalidHandle, checked_handle, prefill_params, store_key, valid_id
 from .kv import Releaser, SideChannelCalls, Taker
 from .metrics import RouterMetrics
+from .redact import install_filter, redact_url, register, scrub, url_secrets
+from .relay import error_response as _error
+from .sse import EventFilter, StreamFormatError
 from .store import HandleStore, MemoryStore, RedisStore, StoredHandle
 
 log = logging.getLogger("kvshuttle.router")
@@ -77,45 +89,64 @@ class Turn:
 
 
 class Router:
-    """The router's state and its aiohttp application (:meth:`app`)."""
+    """The router's state and its aiohttp application (:meth:`app`; :meth:`runner` serves it)."""
 
     def __init__(self, config: RouterConfig, *, store: HandleStore | None = None, taker: Taker | None = None,
                  releaser: Releaser | None = None, clock: Callable[[], float] = time.time) -> None:
-        self.config = config.check()
+        config = config.check()
+        if config.secret is None:
+            try:
+                config = replace(config, secret=DeploymentSecret.resolve())
+            except TrustError as exc:
+                raise RouterConfigError(str(exc)) from None
+        self.config = config
+        self.secret: DeploymentSecret = config.secret  # type: ignore[assignment]  # set just above
+        # Every log line from here on masks these (the formatters of `kvshuttle router` too).
+        register([*config.api_keys, config.backend_api_key,
+                  *(url_secrets(config.store) if config.store != "memory" else [])])
+        install_filter()
         self.metrics = RouterMetrics()
         self._clock = clock
-        self.store: HandleStore = store or self._make_store()
+        self._keys = ApiKeys(config.api_keys)
+        self.store: HandleStore = store if store is not None else self._make_store()
         self.prefill = BackendPool(config.prefill, "prefill", config.balance)
         self.decode = BackendPool(config.decode, "decode", config.balance)
         self._calls: SideChannelCalls | None = None
         if taker is None or releaser is None:
-            self._calls = SideChannelCalls()
+            self._calls = SideChannelCalls(self.secret)
         self._take: Taker = taker or self._calls.take  # type: ignore[union-attr]
         self._release: Releaser = releaser or self._calls.release  # type: ignore[union-attr]
         self._session: aiohttp.ClientSession | None = None
         # Turns beyond this wait here, before any work: an overloaded loop would otherwise lag past the store's
-        # and backends' timeouts and turn every overload into lost handles.
+        # and backends' timeouts and turn every overload into lost handles. Only turns whose whole body is in
+        # take a slot: a client trickling its body holds a connection, never a slot.
         self._admitted = asyncio.Semaphore(config.max_in_flight)
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:12]  # request ids: unique per router process, not secret
         self._tasks: list[asyncio.Task[None]] = []
         if config.connector == "kvshuttle" and not all(d.kv_address for d in config.decode):
             log.warning("router: decode backends without kv=HOST:PORT: streamed turns there cannot learn their "
-                        "handle (the next turn recomputes); non-streamed turns still can")
+                        "handle from a board (the next turn recomputes unless the stream carries it)")
+        remote = [d.name for d in config.decode if not is_loopback(urlsplit(d.url).hostname or "")]
+        if config.connector == "kvshuttle" and self.secret.scope == "local" and remote:
+            log.warning("router: only this user's local secret is configured, which trusts loopback owners only: "
+                        "handles from %s will be refused; set KVSHUTTLE_SECRET or KVSHUTTLE_SECRET_FILE to the "
+                        "deployment's secret", ", ".join(remote))
 
     def _make_store(self) -> HandleStore:
         cfg, m = self.config, self.metrics
         if cfg.store == "memory":
             return MemoryStore(cfg.max_conversations, cfg.sweep_interval_s, self._clock,
-                               on_expire=m.expirations.inc, on_evict=m.evictions.inc)
+                               on_expire=m.expirations.inc, on_evict=m.evictions.inc, max_bytes=cfg.max_store_bytes)
         return RedisStore(cfg.store, cfg.redis_key_prefix, cfg.sweep_interval_s, timeout_s=cfg.store_timeout_s,
                           clock=self._clock, on_expire=m.expirations.inc)
 
     # -- application ----------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/completions", self._completions)
+        # client_max_size bounds any body aiohttp itself reads; turns read theirs with read_body (same bound).
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[relay.guard])
+        app.router.add_post(CHAT, self._chat)
+        app.router.add_post(COMPLETIONS, self._completions)
         app.router.add_delete("/v1/conversations/{conversation}", self._delete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
@@ -124,6 +155,11 @@ class Router:
         app.on_cleanup.append(self._close)
         return app
 
+    def runner(self) -> web.AppRunner:
+        """An AppRunner for :meth:`app` with the client-facing limits (idle keep-alive, no compressed bodies)."""
+        return web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.config.client_idle_timeout_s,
+                             auto_decompress=False)
+
     async def _start(self, _: web.Application) -> None:
         cfg = self.config
         self._session = aiohttp.ClientSession(
@@ -131,6 +167,9 @@ class Router:
             json_serialize=_dumps)
         await self.store.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_forever(cfg.health_interval_s)))
+        log.info("router: store %s, tenants %s, secret %s", "memory" if cfg.store == "memory" else
+                 redact_url(cfg.store), f"from {len(self._keys)} API keys" if self._keys else
+                 f"from header {cfg.tenant_header}" if cfg.tenant_header else "one shared", self.secret)
 
     async def _close(self, _: web.Application) -> None:
         for task in self._tasks:
@@ -164,20 +203,27 @@ class Router:
             self.metrics.live.set(await self.store.live())
         except StoreError:
             self.metrics.store_errors.labels("count").inc()
+        if isinstance(self.store, MemoryStore):
+            self.metrics.store_bytes.set(self.store.bytes)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
         assert self._session is not None
+        if self._keys and self._tenant(request) is None:
+            return _error(401, "missing or unknown API key", "authentication_error")
         backend = self.decode.choose()
         assert backend is not None
         try:
             async with self._session.get(backend.url + "/v1/models", headers=self._auth(request)) as resp:
-                return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+                return web.Response(body=client_error_body(await resp.read(), resp.status), status=resp.status,
+                                    content_type="application/json")
         except BACKEND_FAILURES as exc:
-            return _error(502, f"decode backend {backend.name} failed: {type(exc).__name__}")
+            return _error(502, f"decode backend {backend.name} failed: {type(exc).__name__}", "backend_error")
 
     async def _delete(self, request: web.Request) -> web.Response:
         tenant = self._tenant(request)
+        if self._keys and tenant is None:
+            return _error(401, "missing or unknown API key", "authentication_error")
         conversation = valid_id(request.match_info["conversation"])
         if tenant is None or conversation is None:
             return _error(400, "a tenant and a conversation id are needed to delete a conversation")
@@ -186,7 +232,8 @@ class Router:
             entry = await self.store.delete(key)
         except StoreError as exc:
             self.metrics.store_errors.labels("delete").inc()
-            return _error(503, f"the handle store failed: {exc}")
+            log.warning("router: deleting conversation %s failed: %s", conversation, exc)
+            return _error(503, "the handle store is unavailable; retry later", "store_error")
         released = False
         if entry is not None and self.config.connector == "kvshuttle":
             released = await self._release_quietly(entry)
@@ -206,30 +253,42 @@ class Router:
 
     # -- the turn -------------------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        async with self._admitted:
-            return await self._turn(request, "/v1/chat/completions")
+        return await self._admit(request, CHAT)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        async with self._admitted:
-            return await self._turn(request, "/v1/completions")
+        return await self._admit(request, COMPLETIONS)
 
-    async def _turn(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def _admit(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        """Authenticate, read and check the whole body, and only then wait for an admission slot."""
+        tenant = self._tenant(request)
+        if self._keys and tenant is None:
+            return self._refused(endpoint, 401, "missing or unknown API key", "authentication_error", close=True)
+        cfg = self.config
         try:
-            body = json.loads(await request.read())
-        except ValueError:
-            return self._refused(endpoint, 400, "the request body is not JSON")
-        if not isinstance(body, dict):
-            return self._refused(endpoint, 400, "the request body must be a JSON object")
-        if self.config.api_keys and self._tenant(request) is None:
-            return self._refused(endpoint, 401, "missing or unknown API key", "authentication_error")
-        raw_conversation = body.pop("conversation_id", None) or request.headers.get("X-Conversation-Id")
+            raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s)
+        except BadRequest as exc:  # 408, 413, 415 or a broken body: the connection cannot carry another request
+            if exc.status == 408:
+                self.metrics.client_timeouts.labels("body").inc()
+            return self._refused(endpoint, exc.status, str(exc), close=True)
+        try:
+            body = parse_body(raw, endpoint)
+        except BadRequest as exc:
+            return self._refused(endpoint, exc.status, str(exc))
+        async with self._admitted:
+            return await self._turn(request, endpoint, body, tenant)
+
+    async def _turn(self, request: web.Request, endpoint: str, body: dict[str, Any],
+                    tenant: str | None) -> web.StreamResponse:
+        raw_conversation = body.pop("conversation_id", None)
+        if raw_conversation is None:
+            raw_conversation = request.headers.get("X-Conversation-Id")
         conversation = valid_id(raw_conversation) if raw_conversation is not None else None
         if raw_conversation is not None and conversation is None:
             return self._refused(endpoint, 400, "conversation_id must be a printable string of 1..256 characters")
         if body.pop("kv_transfer_params", None) is not None:
             self.metrics.client_params_dropped.inc()
-        turn = Turn(endpoint, f"kvshuttle-{self._id_prefix}-{next(self._ids)}", bool(body.get("stream")),
-                    self._tenant(request), conversation)
+        turn = Turn(endpoint, f"kvshuttle-{self._id_prefix}-{next(self._ids)}", body.get("stream") is True,
+                    tenant, conversation)
         handle = await self._lookup(turn)
         headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
         p_params, failed = await self._prefill(turn, body, handle, headers)
@@ -244,24 +303,32 @@ class Router:
                                        "seconds": round(time.perf_counter() - turn.started, 4)}})
         return response
 
-    def _refused(self, endpoint: str, status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    def _refused(self, endpoint: str, status: int, message: str, kind: str = "invalid_request_error",
+                 close: bool = False) -> web.Response:
         self.metrics.requests.labels(endpoint, str(status)).inc()
-        return _error(status, message, kind)
+        response = _error(status, message, kind)
+        if close:  # the rest of the body is not read: the connection cannot carry another request
+            response.force_close()
+        return response
 
     def _tenant(self, request: web.Request) -> str | None:
-        cfg = self.config
-        if cfg.api_keys:
-            auth = request.headers.get("Authorization", "")
-            return cfg.api_keys.get(auth.removeprefix("Bearer ").strip()) if auth.startswith("Bearer ") else None
-        if cfg.tenant_header is not None:
-            return valid_id(request.headers.get(cfg.tenant_header))
+        if self._keys:
+            return self._keys.tenant(request.headers.get("Authorization"))
+        if self.config.tenant_header is not None:
+            return header_tenant(request.headers.get(self.config.tenant_header))
         return DEFAULT_TENANT
 
     def _auth(self, request: web.Request) -> dict[str, str]:
         if self.config.backend_api_key:
             return {"Authorization": f"Bearer {self.config.backend_api_key}"}
         auth = request.headers.get("Authorization")
-        return {"Authorization": auth} if auth and not self.config.api_keys else {}  # tenants' keys stay here
+        return {"Authorization": auth} if auth and not self._keys else {}  # tenants' keys stay here
+
+    def _granted(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` with a fresh retention grant (kvshuttle's engines keep blocks only for granted requests)."""
+        if self.config.connector == "kvshuttle":
+            params[GRANT_FIELD] = issue_grant(self.secret)
+        return params
 
     async def _lookup(self, turn: Turn) -> dict[str, Any] | None:
         key = turn.key
@@ -302,7 +369,7 @@ class Router:
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
             # A retry goes without the handle: the failed prefill may have consumed a use-once handle.
-            request["kv_transfer_params"] = prefill_params(handle if attempt == 0 else None)
+            request["kv_transfer_params"] = self._granted(prefill_params(handle if attempt == 0 else None))
             started = time.perf_counter()
             backend.in_flight += 1
             try:
@@ -316,21 +383,22 @@ class Router:
                 backend.in_flight -= 1
                 turn.waited += time.perf_counter() - started
             if 400 <= status < 500:  # the client's request is wrong; the decode would refuse it too
-                return None, web.Response(body=data, status=status, content_type="application/json")
+                return None, web.Response(body=client_error_body(data, status), status=status,
+                                          content_type="application/json")
             if status != 200:
                 self.metrics.backend_errors.labels("prefill", backend.name).inc()
                 continue
             turn.prefill = backend.name
             try:
                 params = json.loads(data).get("kv_transfer_params")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 params = None
             return (params if isinstance(params, dict) and params else None), None
         return None, None  # no prefill answered: the decode computes the whole prompt (recompute)
 
     def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
         self.metrics.backend_errors.labels(pool.role, backend.name).inc()
-        pool.mark(backend, False, f"{type(exc).__name__}: {exc}")
+        pool.mark(backend, False, f"{type(exc).__name__}: {scrub(str(exc))}")
 
     async def _decode(self, turn: Turn, client: web.Request, body: dict[str, Any], p_params: dict[str, Any] | None,
                       headers: dict[str, str]) -> web.StreamResponse:
@@ -350,7 +418,7 @@ class Router:
             publish = self._publish_key(turn, backend)
             if publish is not None:
                 params[PUBLISH_KEY] = publish
-            request = {**body, "kv_transfer_params": params}
+            request = {**body, "kv_transfer_params": self._granted(params)}
             started = time.perf_counter()
             backend.in_flight += 1
             try:
@@ -369,7 +437,7 @@ class Router:
                 turn.decode = backend.name
                 if turn.stream and resp.status == 200:
                     return await self._relay(turn, client, resp, backend, publish)
-                return await self._answer(turn, resp, backend)
+                return await self._answer(turn, client, resp, backend)
             finally:
                 resp.release()
                 backend.in_flight -= 1
@@ -380,67 +448,95 @@ class Router:
             return None
         return secrets.token_urlsafe(18)
 
-    async def _answer(self, turn: Turn, resp: aiohttp.ClientResponse, backend: Backend) -> web.Response:
-        """A non-streamed answer (or any error): the body passes through, without the decode's handle."""
+    async def _answer(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse,
+                      backend: Backend) -> web.StreamResponse:
+        """A non-streamed answer (or any error): the body passes through, without the decode's handle. A large
+        one is written here, bounded in time like a stream (a client not reading it is cut)."""
         started = time.perf_counter()
         data = await resp.read()
         turn.waited += time.perf_counter() - started
-        if resp.status == 200:
+        if resp.status != 200:
+            data = client_error_body(data, resp.status)
+        else:
             try:
                 answer = json.loads(data)
-            except ValueError:
+                params = answer.pop("kv_transfer_params", None) if isinstance(answer, dict) else None
+                clean = _dumps(answer).encode()
+            except (ValueError, RecursionError):
                 answer = None
             if isinstance(answer, dict):
                 # The handle is a capability on the decode's blocks: it stays between the router and backends.
-                params = answer.pop("kv_transfer_params", None)
                 await self._learn(turn, params, backend)
-                data = _dumps(answer).encode()
+                data = clean
+            elif any(marker in data for marker in PRIVATE_MARKERS):
+                return _error(502, f"decode backend {backend.name} answered an unreadable body", "backend_error")
         self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
-        return web.Response(body=data, status=resp.status, content_type=resp.content_type or "application/json")
+        content_type = resp.content_type or "application/json"
+        if len(data) <= relay.SMALL:  # fits the socket's buffers: aiohttp's own write cannot wait on the client
+            return web.Response(body=data, status=resp.status, content_type=content_type)
+        out, stopped = await relay.send(client, resp.status, data, content_type, self.config.client_write_timeout_s)
+        if stopped is relay.ClientSlow:
+            self.metrics.client_timeouts.labels("write").inc()
+        return out
 
     async def _relay(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
                      publish: str | None) -> web.StreamResponse:
-        """Stream the decode's answer chunk by chunk; take its handle from the decode's board before the end.
+        """Stream the decode's answer event by event, without kv_transfer_params; store its handle before the end.
 
-        The end marker (``data: [DONE]``) is held back until the handle is stored: a client that sends its
-        next turn once it sees the end, to this replica or another, finds the handle (the take is one
-        side-channel round trip once the decode has published).
+        The handle comes from the stream's last chunk (vLLM 0.33) or else the decode's board. The end marker
+        (``data: [DONE]``) is held back until the handle is stored: a client that sends its next turn once it
+        sees the end, to this replica or another, finds the handle. Every write to the client is bounded in
+        time (``client_write_timeout_s``): a client that stops reading is cut and the decode's stream closed.
         """
         out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
                                                                                       "text/event-stream"),
                                                       "Cache-Control": "no-cache"})
-        held = b""
+        events = EventFilter(hold_done=turn.key is not None)
+        wait = self.config.client_write_timeout_s
         try:
             started = time.perf_counter()
             chunks = resp.content.iter_any()
             first = await anext(chunks, b"")
             turn.waited += time.perf_counter() - started
-            await out.prepare(client)
-            first, held = _hold_end(first, publish)
-            await _write(out, first)
+            await relay.bounded(out.prepare(client), wait)
+            await relay.write(client, out, events.feed(first), wait)
             self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
             async for chunk in chunks:
-                # bytes after a held end marker: pass everything on, in order
-                chunk, held = _hold_end(held + chunk, publish)
-                await _write(out, chunk)
-        except _ClientGone:
-            turn.learned = "client_gone"
+                await relay.write(client, out, events.feed(chunk), wait)
+            await relay.write(client, out, events.finish(), wait)
+        except (relay.ClientGone, relay.ClientSlow) as exc:
+            slow = isinstance(exc, relay.ClientSlow)
+            turn.learned = "client_slow" if slow else "client_gone"
+            if slow:
+                self.metrics.client_timeouts.labels("write").inc()
+                log.info("router: client of request %s stopped reading for %g s; cut, decode stream closed",
+                         turn.request_id, wait)
+            resp.close()  # the decode stops generating for nobody
+            relay.cut(client)
             return out
-        except BACKEND_FAILURES as exc:
+        except (*BACKEND_FAILURES, StreamFormatError) as exc:
             turn.learned = "stream_failed"
             self._backend_failed(self.decode, backend, exc)
             self.metrics.unlearned.labels("stream_failed").inc()
+            resp.close()
             if not out.prepared:
                 return _error(502, f"decode backend {backend.name} failed: {type(exc).__name__}", "backend_error")
-            await self._stream_error(out, f"decode backend {backend.name} failed mid-stream: {type(exc).__name__}")
+            await self._stream_error(client, out, f"decode backend {backend.name} failed mid-stream: "
+                                                  f"{type(exc).__name__}")
             return out
-        if publish is None:
+        if events.dropped:
+            self.metrics.events_dropped.inc(events.dropped)
+        if events.found:
+            await self._learn(turn, events.params, backend)
+        elif publish is None:
             self.metrics.unlearned.labels("stream_without_board").inc()
         else:
             await self._take_handle(turn, backend, publish)
-        with contextlib.suppress(_ClientGone, ConnectionResetError):
-            await _write(out, held)
-            await out.write_eof()
+        try:
+            await relay.write(client, out, events.held, wait)
+            await relay.bounded(out.write_eof(), wait)
+        except (relay.ClientGone, relay.ClientSlow):
+            relay.cut(client)
         return out
 
     async def _take_handle(self, turn: Turn, backend: Backend, publish: str) -> None:
@@ -455,16 +551,16 @@ class Router:
             return
         await self._learn(turn, params, backend)
 
-    async def _stream_error(self, out: web.StreamResponse, message: str) -> None:
-        error = {"error": {"message": message, "type": "backend_error", "code": 502}}
+    async def _stream_error(self, client: web.Request, out: web.StreamResponse, message: str) -> None:
+        wait = self.config.client_write_timeout_s
         try:  # the OpenAI clients raise on an error event: the client never takes a cut answer for a whole one
-            await out.write(b"data: " + _dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
-            await out.write_eof()
-        except (ConnectionResetError, RuntimeError):
-            pass
+            await relay.write(client, out, relay.error_event(message), wait)
+            await relay.bounded(out.write_eof(), wait)
+        except (relay.ClientGone, relay.ClientSlow):
+            relay.cut(client)
 
     async def _learn(self, turn: Turn, params: Any, backend: Backend) -> None:
-        """Validate and store the decode's returned params for the conversation's next turn."""
+        """Validate, authenticate and store the decode's returned params for the conversation's next turn."""
         key = turn.key
         if key is None or turn.tenant is None or turn.conversation is None:
             return
@@ -473,7 +569,7 @@ class Router:
             self.metrics.unlearned.labels("none_returned").inc()
             return
         try:
-            stored, life = checked_handle(params, self.config.connector)
+            stored, life = checked_handle(params, self.config.connector, self.secret)
         except InvalidHandle as exc:
             turn.learned = "invalid"
             self.metrics.invalid.labels(exc.reason).inc()
@@ -491,32 +587,3 @@ class Router:
             return
         turn.learned = "stored"
         self.metrics.stored.inc()
-
-
-DONE = b"data: [DONE]\n\n"
-
-
-def _hold_end(chunk: bytes, publish: str | None) -> tuple[bytes, bytes]:
-    """(what to send now, the end marker held back) when a handle is still to be taken, else (chunk, b"")."""
-    if publish is not None and chunk.endswith(DONE):
-        return chunk[:-len(DONE)], DONE
-    return chunk, b""
-
-
-class _ClientGone(Exception):
-    """Internal: the client closed its connection mid-stream."""
-
-
-async def _write(out: web.StreamResponse, chunk: bytes) -> None:
-    """Write to the client; a closed client connection is :class:`_ClientGone`, not a backend failure."""
-    if not chunk:
-        return
-    try:
-        await out.write(chunk)
-    except (ConnectionResetError, RuntimeError) as exc:  # aiohttp's ClientConnectionResetError is both kinds
-        raise _ClientGone from exc
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    """An OpenAI-style error body (what the official clients parse)."""
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)

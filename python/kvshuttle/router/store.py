@@ -1,7 +1,8 @@
 """Where the router keeps each conversation's decode handle between turns.
 
-* :class:`MemoryStore` (default): one process. TTL per entry, bounded size with least-recently-used eviction,
-  and a sweeper task that drops expired entries on a timer (not only when traffic touches them).
+* :class:`MemoryStore` (default): one process. TTL per entry, bounded in entries and in bytes (the approximate
+  serialized size of what it holds: a decode may return large params) with least-recently-used eviction, and
+  a sweeper task that drops expired entries on a timer (not only when traffic touches them).
 * :class:`RedisStore`: several router replicas share conversations, and conversations survive a restart.
   A use-once take is one MULTI/EXEC of GETDEL + ZREM (atomic: of two replicas taking at once, exactly one gets
   the handle); multi-read keeps the entry. A sorted set indexes entries by expiry: live count and sweeping
@@ -26,11 +27,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
 from .errors import StoreError
+from .redact import redact_url, scrub
 
 log = logging.getLogger("kvshuttle.router")
 
 Status = Literal["hit", "miss", "expired", "foreign"]
 Clock = Callable[[], float]
+# Counted per entry beyond its JSON. The budget is in serialized bytes: resident memory is about twice that
+# (a 550-byte handle measured 2.1 KB resident on CPython 3.11, its dicts and ints included).
+ENTRY_OVERHEAD = 512
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ class StoredHandle:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
+
+    def approx_bytes(self) -> int:
+        """About what keeping this entry costs: its serialized size plus the Python objects around it."""
+        return len(self.to_json()) + ENTRY_OVERHEAD
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StoredHandle:
@@ -112,37 +121,55 @@ class _Swept:
 
 
 class MemoryStore(_Swept):
-    """In-process store; see the module docstring. ``on_expire(n)`` counts expirations (metrics)."""
+    """In-process store; see the module docstring. ``on_expire(n)`` counts expirations, ``on_evict(n)`` entries
+    dropped at a bound (metrics). An entry larger than ``max_bytes`` on its own is not kept (an eviction)."""
 
     def __init__(self, max_entries: int = 100_000, sweep_interval_s: float = 5.0, clock: Clock = time.time,
                  on_expire: Callable[[int], None] | None = None,
-                 on_evict: Callable[[int], None] | None = None) -> None:
-        self.max_entries, self.sweep_interval_s, self._clock = max_entries, sweep_interval_s, clock
+                 on_evict: Callable[[int], None] | None = None, max_bytes: int = 256 << 20) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.sweep_interval_s, self._clock = sweep_interval_s, clock
         self._on_expire, self._on_evict = on_expire, on_evict
-        self._entries: OrderedDict[str, tuple[int, StoredHandle]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[int, StoredHandle, int]] = OrderedDict()  # (version, entry, bytes)
         self._expiry: list[tuple[float, int, str]] = []  # (expires_at, version, key): lazily deleted heap
         self._versions = itertools.count()
+        self.bytes = 0  # approximate bytes held (StoredHandle.approx_bytes of every entry)
+
+    def _drop(self, key: str) -> tuple[int, StoredHandle, int] | None:
+        item = self._entries.pop(key, None)
+        if item is not None:
+            self.bytes -= item[2]
+        return item
 
     async def put(self, key: str, entry: StoredHandle) -> None:
+        size = entry.approx_bytes()
+        self._drop(key)
+        if size > self.max_bytes:  # would evict everything else and still not fit: not kept
+            if self._on_evict:
+                self._on_evict(1)
+            log.warning("router store: a handle of about %d bytes is over the store's whole budget (%d bytes); "
+                        "not kept", size, self.max_bytes)
+            return
         version = next(self._versions)
-        self._entries.pop(key, None)
-        self._entries[key] = (version, entry)
+        self._entries[key] = (version, entry, size)
+        self.bytes += size
         heapq.heappush(self._expiry, (entry.expires_at, version, key))
         evicted = 0
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)  # least recently used; its heap item dies lazily
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            _, (_, _, dropped) = self._entries.popitem(last=False)  # least recently used; its heap item dies lazily
+            self.bytes -= dropped
             evicted += 1
         if evicted and self._on_evict:
             self._on_evict(evicted)
         if len(self._expiry) > 2 * len(self._entries) + 1024:  # taken entries left stale heap items: rebuild
-            self._expiry = [(e.expires_at, v, k) for k, (v, e) in self._entries.items()]
+            self._expiry = [(e.expires_at, v, k) for k, (v, e, _) in self._entries.items()]
             heapq.heapify(self._expiry)
 
     async def take(self, key: str, tenant: str, conversation: str) -> Lookup:
         item = self._entries.get(key)
         result = checked(item[1] if item else None, tenant, conversation, self._clock())
         if result.status in ("hit", "expired"):
-            del self._entries[key]
+            self._drop(key)
             if result.status == "expired" and self._on_expire:
                 self._on_expire(1)
         return result
@@ -153,13 +180,13 @@ class MemoryStore(_Swept):
         if result.status == "hit":
             self._entries.move_to_end(key)
         elif result.status == "expired":
-            del self._entries[key]
+            self._drop(key)
             if self._on_expire:
                 self._on_expire(1)
         return result
 
     async def delete(self, key: str) -> StoredHandle | None:
-        item = self._entries.pop(key, None)
+        item = self._drop(key)
         return item[1] if item else None
 
     async def live(self) -> int:
@@ -174,7 +201,7 @@ class MemoryStore(_Swept):
             _, version, key = heapq.heappop(self._expiry)
             item = self._entries.get(key)
             if item is not None and item[0] == version:
-                del self._entries[key]
+                self._drop(key)
                 expired += 1
         if expired and self._on_expire:
             self._on_expire(expired)
@@ -199,7 +226,8 @@ class RedisStore(_Swept):
 
         self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                               retry_on_timeout=False)
-        self.url, self.prefix, self.sweep_interval_s = url, prefix, sweep_interval_s
+        self.url = redact_url(url)  # what messages show: never the password
+        self.prefix, self.sweep_interval_s = prefix, sweep_interval_s
         self.backoff_s, self._clock, self._on_expire = backoff_s, clock, on_expire
         self._index = prefix + "expiry"
         self._down_until = 0.0
@@ -224,7 +252,8 @@ class RedisStore(_Swept):
             self._failures += 1
             if self._failures >= self.TRIP_AFTER:  # one slow answer is not an outage
                 self._down_until = time.monotonic() + self.backoff_s
-            raise StoreError(f"redis {what} failed: {type(exc).__name__}: {exc}") from exc
+            why = f"{type(exc).__name__}: {scrub(str(exc))}"
+            raise StoreError(f"redis {what} failed: {why} (store {self.url})") from exc
         self._failures = 0
         return result
 
