@@ -323,3 +323,37 @@ def test_claimed_blocks_refuses_after_the_claim_ends(owner: dict[str, Any]) -> N
     with pytest.raises(ClaimRefusedError):
         owner["reader"].claim(owner["reader"].connect(owner["address"]),
                               type(owner["handle"])(**{**owner["handle"].__dict__, "generation": 5}))
+
+
+def test_a_flooding_peer_does_not_hold_up_the_others(owner: dict[str, Any]) -> None:
+    """While one member floods the owner with oversized and expanding messages and raw TCP garbage arrives,
+    another member's handshake, claims and reads still go through, byte for byte (the bound is generous: it
+    proves "not held up", not a speed)."""
+    import threading
+
+    stop = threading.Event()
+    port = int(owner["address"].rsplit(":", 1)[1])
+
+    def flood() -> None:
+        while not stop.is_set():
+            conn = member(owner)
+            try:
+                conn.send({"op": "ping", "pad": b"\x00" * (300 << 10)})
+                conn._socket.send(msgpack.packb({"op": "ping", "x": [{} for _ in range(5000)]}))
+                with socket.create_connection(("127.0.0.1", port)) as raw:
+                    raw.sendall(b"\xff" * 4096)
+            finally:
+                conn.close()
+
+    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+    for thread in flooders:
+        thread.start()
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            legit_read_intact(owner)
+            assert time.monotonic() - started < 10.0
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join(10)
