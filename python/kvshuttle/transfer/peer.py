@@ -39,8 +39,12 @@ class Peer:
     def watch(self) -> str | None:
         """Why the owner is gone (a dropped connection or a silent heartbeat), or None while it is alive."""
         if self.lost is None:
-            with self.conn_lock:
+            if not self.conn_lock.acquire(blocking=False):
+                return self.lost  # a request on the connection is watching it (and marks the peer lost)
+            try:
                 why = self.conn.watch()
+            finally:
+                self.conn_lock.release()
             if why is not None:
                 self.mark_lost(why)
         return self.lost
