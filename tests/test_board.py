@@ -223,3 +223,19 @@ def test_renew_waits_for_a_handle_the_decode_learns_a_moment_later(
     assert renewed is not None and renewed["remote_block_ids"] == [4, 6, 8]
     never = RetentionLedger("decode", host, int(port)).retain("r8", [5], digests[:1], 16, 16, handle_id="never-1")
     assert renew_retention(never.to_kv_transfer_params(SECRET), unknown_grace_s=0.2) is None
+
+
+def test_a_long_conversations_handle_survives_renewal_and_publication(
+        served: tuple[str, HandleBoard, RetentionLedger]) -> None:
+    """128k tokens in 16-token blocks: 8,192 ids and a 256 KiB hex digest string travel in one reply."""
+    from kvshuttle.transfer import renew_retention, take_published
+
+    address, board, ledger = served
+    tokens = 8192 * 16
+    params = ledger.retain("long", list(range(8192)), block_digests(list(range(tokens)), 16), tokens,
+                           16).to_kv_transfer_params(SECRET)
+    renewed = renew_retention(params, ttl_s=60.0)
+    assert renewed is not None and renewed["remote_block_ids"] == list(range(8192))
+    assert renewed["kvshuttle_digests"] == params["kvshuttle_digests"]
+    board.put("long-key", renewed)
+    assert take_published(address, "long-key", timeout_s=2.0) == renewed

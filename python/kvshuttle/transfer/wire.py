@@ -23,9 +23,10 @@ from .errors import IncompatiblePeerError, ProtocolError
 PROTOCOL_VERSION = 4
 NOTIF_PREFIX = b"kvshuttle:done:"
 # What one message may expand into when decoded: msgpack turns a 1-byte empty map into a 64-byte dict, so the
-# byte cap alone does not bound memory. Every kvshuttle message has a handful of lists and maps.
+# byte cap alone does not bound memory. Every kvshuttle message has a handful of lists and maps. One long string
+# costs what it weighs (a handle's hex digests: 64 KiB at 2,048 blocks), so strings are bounded by the message.
 MAX_CONTAINERS = 4096
-MAX_STR_BYTES = 64 << 10
+MAX_STR_BYTES = 64 << 20
 
 
 def encode(message: dict[str, Any]) -> bytes:
