@@ -161,3 +161,42 @@ def test_finished_ids_of_requests_kept_nowhere_are_forgotten(worker: ShuttleWork
     for _ in range(12):
         worker.finished(set())
     assert all(n == 0 for n in worker.state_sizes().values())
+
+
+def test_a_released_cache_is_never_served_again() -> None:
+    """vLLM 0.33 releases the KV cache on sleep or discard: every retention ends (reported finished sending), the
+    side channel stops answering, and later loads recompute instead of reading."""
+    from kvshuttle.integrations.vllm.connector import KVShuttleConnector
+    from kvshuttle.policy import block_digests
+    from kvshuttle.transfer import PeerUnreachableError
+
+    assert KVShuttleConnector.supports_sleep_mode() is False  # vLLM refuses enable_sleep_mode with kvshuttle
+    config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True}, model="m")
+    w = ShuttleWorker(config, "sleepy", BS, secret=SECRET)
+    host = make_cache(np.random.default_rng(5), GEO)
+    w.register_kv_caches({f"layer.{i}": x for i, x in enumerate(host.layers)}, "CPU_ATTN")
+    assert w.ledger is not None and w.engine is not None
+    address = w.engine.address
+    assert address is not None
+    from kvshuttle.integrations.vllm.metadata import RetainJob
+
+    w.start(ShuttleMetadata(retains=[RetainJob("req-s", "hs", (3, 4), tuple(block_digests(list(range(64)), BS)), 64,
+                                               BS, 60.0, False)]))
+    assert len(w.ledger) == 1
+    w.finished({"req-s"})  # vLLM named it finished: its blocks wait for the retention to end
+    try:
+        w.release_cache()
+        sending, _ = w.finished(set())
+        assert sending == {"req-s"} and len(w.ledger) == 0
+        reader = TransferEngine(make_cache(np.random.default_rng(6), GEO).cache(),
+                                EngineConfig(secret=SECRET, connect_timeout_s=0.5))
+        try:
+            with pytest.raises(PeerUnreachableError):
+                reader.connect(address)
+        finally:
+            reader.close()
+        w.start(ShuttleMetadata(loads=[job(30)]))
+        _, invalid = collect(w, 1, 10.0)
+        assert invalid == {60, 61}  # the load recomputes: its target blocks are reported invalid
+    finally:
+        w.shutdown()

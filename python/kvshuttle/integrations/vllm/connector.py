@@ -13,6 +13,7 @@ a misconfigured engine must not start.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .compat import (
@@ -31,6 +32,8 @@ from .metadata import ShuttleHandshake, ShuttleMetadata
 from .scheduler import ShuttleScheduler
 from .stats import ShuttlePromMetrics, ShuttleStats
 from .worker import ShuttleWorker
+
+log = logging.getLogger("vllm.kvshuttle")
 
 
 class KVShuttleConnector(KVConnectorBase_V1):
@@ -166,6 +169,25 @@ class KVShuttleConnector(KVConnectorBase_V1):
         except Exception as exc:
             self._guard.failed("get_block_ids_with_load_errors", exc)
             return set()
+
+    # -- vLLM 0.33's sleep mode: refused (a released cache must never be served from stale registrations) -----
+    @classmethod
+    def supports_sleep_mode(cls, *args: Any, **kwargs: Any) -> bool:
+        """No: the cache's NIXL registrations and the retained handles would outlive the memory sleep releases, so
+        a peer could read discarded KV. vLLM then refuses ``enable_sleep_mode`` with this connector."""
+        return False
+
+    def unregister_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """Called before the KV cache is released (a discard, even without sleep mode): stop serving it."""
+        if self._worker is not None:
+            try:
+                self._worker.release_cache()
+            except Exception as exc:
+                self._guard.failed("unregister_kv_caches", exc)
+
+    def restore_kv_caches(self, *args: Any, **kwargs: Any) -> None:
+        """The cache is back, but kvshuttle does not re-register it: this worker recomputes until it restarts."""
+        log.warning("kvshuttle: the KV cache was restored; kvshuttle stays off on this worker until it restarts")
 
     def shutdown(self) -> None:
         if self._worker is not None:

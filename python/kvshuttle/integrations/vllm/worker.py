@@ -163,6 +163,20 @@ class ShuttleWorker:
                     "released": len(self._released), "seen_finished": len(self._seen_finished),
                     "unmatched": len(self._unmatched), "load_errors": len(self._load_errors)}
 
+    def release_cache(self) -> None:
+        """The KV cache is about to be released or remapped (vLLM 0.33's sleep or a discard): nothing it holds may
+        be served again. Every retention ends (reported as finished sending), the side channel and the NIXL
+        registrations go, and later loads recompute; kvshuttle stays off on this worker until it restarts."""
+        if self.ledger is not None:
+            ended = self.ledger.release_all()
+            log.warning("kvshuttle: the KV cache is being released; %d retentions ended, serving and reading stop "
+                        "until this engine restarts", ended)
+        reader, engine, self.reader, self.engine = self.reader, self.engine, None, None
+        if reader is not None:
+            reader.close()
+        if engine is not None:
+            engine.close()
+
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)  # loads in flight end by their deadlines
         if self.reader is not None:
