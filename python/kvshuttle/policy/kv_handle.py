@@ -38,6 +38,13 @@ class KVHandle:
 
     ``digests[k]`` is the chained digest of block k (tokens [k*B, (k+1)*B)); ``expiry_time`` is on the
     decode's wall clock (``issued_at`` too, so a reader can estimate the clock offset).
+
+    ``ranks``: the side channels (``host:port``) of owner ranks 0..tp_size-1 when the owner runs tensor
+    parallel, each rank its own peer holding its head shard and its own retention of the same handle (same
+    id, generation, block ids and digests). Empty: the single owner at ``host:port``. When listed there are
+    exactly ``tp_size`` of them, distinct, and rank 0 is ``host:port``. A handle at ``tp_size > 1`` without
+    ranks is well formed (what kvshuttle issued before ranks existed) but names no rank to read a head
+    shard from: :class:`~kvshuttle.reuse.ReuseReader` recomputes it (``rank_mapping``).
     """
 
     engine_id: str  # remote_engine_id
@@ -54,12 +61,14 @@ class KVHandle:
     digests: tuple[bytes, ...]  # one per block (full blocks; a partial last block has one too)
     issued_at: float  # decode wall clock when issued
     ttl_s: float  # seconds of retention left when issued
+    ranks: tuple[str, ...] = ()  # kvshuttle_ranks: owner ranks' side channels "host:port" (empty: TP=1, host:port)
 
     def signing_bytes(self) -> bytes:
         """Every field in one canonical encoding (typed, so a JSON or msgpack round trip cannot change it)."""
         parts = [self.engine_id, self.request_id, self.host, str(self.port), str(self.num_tokens),
                  float(self.expiry_time).hex(), str(self.tp_size), self.handle_id, str(self.generation),
-                 str(self.block_size), float(self.issued_at).hex(), float(self.ttl_s).hex(), str(len(self.block_ids))]
+                 str(self.block_size), float(self.issued_at).hex(), float(self.ttl_s).hex(), str(len(self.block_ids)),
+                 ",".join(map(str, self.ranks))]  # always: an empty list signs as "", rank addresses hold no ","
         # Ids as fixed-width integers and digests as bytes: C speed at thousands of blocks (checked in range).
         return b"\0".join([f"v{WIRE_VERSION}".encode(), *(p.encode() for p in parts),
                             array.array("q", self.block_ids).tobytes(), b"".join(self.digests)])
@@ -93,6 +102,7 @@ class KVHandle:
             PREFIX + "digests": b"".join(self.digests).hex(),
             PREFIX + "issued_at": self.issued_at,
             PREFIX + "ttl_s": self.ttl_s,
+            **({PREFIX + "ranks": list(self.ranks)} if self.ranks else {}),
         }
 
     @classmethod
@@ -117,9 +127,10 @@ class KVHandle:
         if not secret.verify(_MAC_PURPOSE, self.signing_bytes(), tag):
             raise HandleAuthError(f"the handle's {MAC_FIELD} does not match its fields: forged or edited, or issued "
                                   f"under another deployment secret than this one ({secret.fingerprint})")
-        if not secret.allows_host(self.host):
-            raise HandleAuthError(f"the handle names owner {self.host}, but only a local (loopback) secret is "
-                                  "configured here; set KVSHUTTLE_SECRET on every engine to trust remote owners")
+        for host in (self.host, *(rank_host(rank) for rank in self.ranks)):
+            if not secret.allows_host(host):
+                raise HandleAuthError(f"the handle names owner {host}, but only a local (loopback) secret is "
+                                      "configured here; set KVSHUTTLE_SECRET on every engine to trust remote owners")
 
     @classmethod
     def _parse(cls, params: Any) -> KVHandle:
@@ -142,6 +153,9 @@ class KVHandle:
             raise HandleFormatError(f"kvshuttle_digests holds {len(blob)} bytes, not one {size}-byte digest for "
                                     f"each of {len(block_ids)} blocks")
         digests = tuple([blob[i:i + size] for i in range(0, len(blob), size)]) if size else ()
+        ranks: list[Any] = _field(params, PREFIX + "ranks", list) if PREFIX + "ranks" in params else []
+        if PREFIX + "ranks" in params and not ranks:
+            raise HandleFormatError("'kvshuttle_ranks' is empty: omit it for a single owner")
         handle = cls(
             engine_id=_text(params, "remote_engine_id"),
             request_id=_text(params, "remote_request_id"),
@@ -157,6 +171,7 @@ class KVHandle:
             digests=digests,
             issued_at=_number(params, PREFIX + "issued_at"),
             ttl_s=_number(params, PREFIX + "ttl_s"),
+            ranks=tuple(ranks),
         )
         handle.check()
         return handle
@@ -189,6 +204,25 @@ class KVHandle:
             return f"{len(digests)} digests for {len(ids)} blocks"
         if ids and not (isinstance(digests[0], bytes) and 1 <= len(digests[0]) <= MAX_DIGEST_SIZE):
             return f"digests must be 1..{MAX_DIGEST_SIZE}-byte strings"
+        return self._ranks_problem()
+
+    def _ranks_problem(self) -> str | None:
+        """What is wrong with ``ranks`` (O(tp_size): it holds that many addresses), or None."""
+        ranks = self.ranks
+        if not isinstance(ranks, tuple):
+            return "ranks must be a tuple of host:port strings"
+        if not ranks:
+            return None
+        if len(ranks) != self.tp_size:
+            return f"kvshuttle_ranks lists {len(ranks)} owner ranks for tp_size={self.tp_size}"
+        for k, rank in enumerate(ranks):
+            problem = rank_address_problem(rank)
+            if problem is not None:
+                return f"owner rank {k}: {problem}"
+        if len(set(ranks)) != len(ranks):
+            return "kvshuttle_ranks names one side channel twice (every rank is its own peer)"
+        if ranks[0] != f"{self.host}:{self.port}":
+            return f"owner rank 0 is {shown(ranks[0])}, not the handle's owner {self.host}:{self.port}"
         return None
 
     def check(self) -> None:
@@ -212,6 +246,30 @@ INT64_MAX = 2**63 - 1
 MAX_DIGEST_SIZE = 64  # blake2b's largest digest
 _INT_FIELDS = (("port", 1, 65535), ("num_tokens", 0, INT64_MAX), ("tp_size", 1, INT64_MAX),
                ("generation", 0, INT64_MAX), ("block_size", 1, INT64_MAX))
+
+
+MAX_ADDRESS_CHARS = 255
+
+
+def rank_address_problem(address: Any) -> str | None:
+    """Why ``address`` is not an owner rank's side channel ``host:port`` (canonical port: 1..65535, no sign or
+    leading zero; a host without whitespace, commas or NUL: an IPv6 literal goes in brackets), or None."""
+    if type(address) is not str or not 0 < len(address) <= MAX_ADDRESS_CHARS:
+        return f"a rank address must be a 'host:port' string of at most {MAX_ADDRESS_CHARS} characters, got " \
+               f"{shown(address)}"
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or any(c.isspace() or c in ",\0/" for c in host):
+        return f"{shown(address)} is not 'host:port'"
+    if host.count(":") and not (host.startswith("[") and host.endswith("]")):
+        return f"{shown(address)}: an IPv6 host goes in brackets, '[::1]:port'"
+    if not (port.isascii() and port.isdigit() and port[0] != "0" and int(port) <= 65535):
+        return f"{shown(address)}: the port must be 1..65535"
+    return None
+
+
+def rank_host(address: str) -> str:
+    """The host of a rank address ``host:port`` (brackets of an IPv6 literal kept, as ``is_loopback`` takes it)."""
+    return address.rpartition(":")[0]
 
 
 def _bound(value: int) -> str:

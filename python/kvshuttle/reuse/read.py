@@ -67,6 +67,7 @@ class Failure(str, enum.Enum):
     TRANSFER_TIMEOUT = "transfer_timeout"
     TRANSFER_FAILED = "transfer_failed"
     REUSED_MEANWHILE = "reused_meanwhile"  # the decode reused the blocks while we read them
+    RANK_MAPPING = "rank_mapping"  # the TP sizes cannot split the KV heads evenly, or the handle lists no ranks
 
 
 @dataclass(frozen=True)
@@ -134,14 +135,18 @@ class ReuseReader:
     limits where reads may come from. A decode that fails (unreachable, lost, timed out) is refused at once
     for ``cooldown_s`` (a circuit breaker: no reconnect per request, so requests behind a dead decode do not
     queue up), then reconnected by the next request that names it. ``timeout_s`` bounds claim + read +
-    confirmation of one request. Safe to use from several threads at once (the vLLM worker's loads run
+    confirmation of one request. ``tp_rank``/``tp_size``: this reader's tensor-parallel rank (its engine's cache
+    is that rank's head shard) and ``num_kv_heads`` the model's total KV heads (required at ``tp_size > 1``):
+    when either side runs tensor parallel a fetch reads this rank's heads from every owner rank involved, all
+    or nothing (:mod:`kvshuttle.reuse.ranks`). Safe to use from several threads at once (the vLLM worker's loads run
     concurrently): reads from one decode share its connection, reads from different decodes never wait on
     each other's.
     """
 
     def __init__(self, engine: TransferEngine, policy: PolicyConfig | None = None, *, timeout_s: float = 10.0,
                  path: Path = "auto", clock: Callable[[], float] = time.time, cooldown_s: float = 5.0,
-                 allowed_owners: Collection[str] | None = None) -> None:
+                 allowed_owners: Collection[str] | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 num_kv_heads: int | None = None) -> None:
         if not isinstance(path, str) or path not in PATHS:
             raise ReuseArgumentError(f"path must be one of {PATHS}, not {shown(path)}")
         for name, value in (("timeout_s", timeout_s), ("cooldown_s", cooldown_s)):
@@ -156,6 +161,7 @@ class ReuseReader:
         self.cooldown_s = float(cooldown_s)
         self.allowed_owners = None if allowed_owners is None else frozenset(allowed_owners)
         self.path: Path = path
+        self.tp_rank, self.tp_size, self.num_kv_heads = check_rank_args(engine, tp_rank, tp_size, num_kv_heads)
         self._clock = clock
         self._peers: dict[str, Peer] = {}
         self._broken: dict[str, tuple[float, str]] = {}  # address -> (refused until, why): the circuit breaker
@@ -241,9 +247,13 @@ class ReuseReader:
 
     def _peer(self, handle: KVHandle) -> Peer:
         """The connected owner of ``handle``: cached, refused at once while cooling down, else (re)connected."""
-        address = f"tcp://{handle.host}:{handle.port}"
-        if self.allowed_owners is not None and not {handle.host, f"{handle.host}:{handle.port}"} & self.allowed_owners:
-            raise _NotAllowed(f"owner {handle.host}:{handle.port} is not in allowed_owners")
+        return self._peer_at(handle.host, handle.port)
+
+    def _peer_at(self, host: str, port: int | str) -> Peer:
+        """The connected owner (rank) at ``host:port``; the allow-list and the circuit breaker apply per address."""
+        address = f"tcp://{host}:{port}"
+        if self.allowed_owners is not None and not {host, f"{host}:{port}"} & self.allowed_owners:
+            raise _NotAllowed(f"owner {host}:{port} is not in allowed_owners")
         with self._lock:
             lock = self._connecting.setdefault(address, threading.Lock())
         with lock:  # one connect per address at a time; other addresses never wait on it
@@ -304,6 +314,9 @@ class ReuseReader:
         local_ids = np.asarray(local_ids, dtype=np.int64)
         deadline = time.monotonic() + self.timeout_s if deadline is None else min(deadline, time.monotonic()
                                                                                    + self.timeout_s)
+        if handle.tp_size != 1 or self.tp_size != 1:  # tensor parallel on either side: one read per owner rank
+            return fetch_ranked(self, decision, handle, local_ids, num_tokens, started=started,
+                                unknown_grace_s=unknown_grace_s, deadline=deadline)
         claim_s, ticket, peer, confirming = 0.0, None, None, False
         try:
             if time.monotonic() >= deadline:
@@ -370,3 +383,6 @@ def _length(prompt: TokenIds | PromptDigests) -> int:
         return len(prompt)
     except TypeError:
         raise ReuseArgumentError(f"prompt must be token ids or PromptDigests, got {type(prompt).__name__}") from None
+
+
+from .ranks import check_rank_args, fetch_ranked  # noqa: E402  (ranks builds on this module's names)

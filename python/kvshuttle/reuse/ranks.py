@@ -1,0 +1,200 @@
+"""The reuse read across tensor-parallel ranks: one reader rank reads its KV heads from the owner's ranks.
+
+Each owner rank is its own peer (its own TransferEngine, side channel, retention ledger and head shard), and
+every rank's ledger retained the same handle (id, generation, block ids, digests). A reader rank at TP ``a``
+reads exactly its own heads from an owner at TP ``b``: :func:`~kvshuttle.core.ranks.plan_rank_reads` names
+the head slices and the owner rank each comes from. The read is all or nothing: it connects to and claims on
+every owner rank involved, reads every slice, and confirms with every rank; if any rank fails (connect,
+claim, read or confirmation) every other claim still open is finished with ``ok=False`` (the owner unpins)
+and every local target block is reported invalid, with the failing rank named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._values import is_int
+from ..core.ranks import HeadSlice, RankMappingError, plan_rank_reads, rank_heads, split_problem
+from ..errors import shown
+from ..policy import Decision, KVHandle
+from ..transfer import (
+    ClaimRefusedError,
+    ClaimTicket,
+    IncompatiblePeerError,
+    Peer,
+    TransferEngine,
+    TransferError,
+    TransferHandle,
+    TransferTelemetry,
+    TransferTimeoutError,
+)
+from .read import Failure, ReuseArgumentError, ReuseResult, _failure, _left
+
+if TYPE_CHECKING:
+    from .read import ReuseReader
+
+log = logging.getLogger(__name__)
+
+
+def check_rank_args(engine: TransferEngine, tp_rank: Any, tp_size: Any, num_kv_heads: Any) -> tuple[int, int, int]:
+    """``(tp_rank, tp_size, num_kv_heads)`` of a reader rank, checked against its own cache shard.
+
+    ``num_kv_heads`` (the model's total KV heads) is required at ``tp_size > 1``; at TP=1 the shard holds every
+    head, so it defaults to the shard's head count. ReuseArgumentError for anything inconsistent."""
+    if not (is_int(tp_size) and tp_size >= 1):
+        raise ReuseArgumentError(f"tp_size must be an int >= 1, got {shown(tp_size)}")
+    if not (is_int(tp_rank) and 0 <= tp_rank < tp_size):
+        raise ReuseArgumentError(f"tp_rank must be an int in 0..{int(tp_size) - 1}, got {shown(tp_rank)}")
+    tp_rank, tp_size = int(tp_rank), int(tp_size)
+    shard = engine.cache.geometry.num_heads
+    if num_kv_heads is None:
+        if tp_size != 1:
+            raise ReuseArgumentError(f"num_kv_heads (the model's total KV heads) is required at tp_size={tp_size}")
+        num_kv_heads = shard
+    problem = split_problem(num_kv_heads, tp_size)
+    if problem is not None:
+        raise ReuseArgumentError(f"num_kv_heads / tp_size: {problem}")
+    num_kv_heads = int(num_kv_heads)
+    mine = len(rank_heads(num_kv_heads, tp_size, tp_rank))
+    if shard != mine:
+        raise ReuseArgumentError(f"rank {tp_rank} of TP={tp_size} holds {mine} of the {num_kv_heads} KV heads, but "
+                                 f"its cache shard has {shard}")
+    return tp_rank, tp_size, num_kv_heads
+
+
+class _RankFailed(Exception):
+    """Internal: owner rank ``rank`` failed with ``error`` (a TransferError)."""
+
+    def __init__(self, rank: int, address: str, error: TransferError, confirming: bool = False) -> None:
+        super().__init__(f"owner rank {rank} ({address}): {error}")
+        self.rank, self.address, self.error, self.confirming = rank, address, error, confirming
+
+
+def owner_rank_address(handle: KVHandle, rank: int) -> tuple[str, str]:
+    """``(host, port)`` of owner rank ``rank``'s side channel; RankMappingError when the handle names none."""
+    if handle.ranks:
+        host, _, port = handle.ranks[rank].rpartition(":")
+        return host, port
+    if handle.tp_size == 1:
+        return handle.host, str(handle.port)
+    raise RankMappingError(f"the handle is at tp_size={handle.tp_size} but lists no owner ranks (kvshuttle_ranks): "
+                           "no rank to read a head shard from")
+
+
+def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64],
+                 num_tokens: int, *, started: float, unknown_grace_s: float, deadline: float) -> ReuseResult:
+    """:meth:`ReuseReader.fetch` when either side runs tensor parallel; see the module docstring."""
+    try:
+        slices = plan_rank_reads(reader.num_kv_heads, reader.tp_size, reader.tp_rank, handle.tp_size)
+        involved = sorted({s.owner_rank for s in slices})
+        addresses = {rank: owner_rank_address(handle, rank) for rank in involved}
+    except RankMappingError as exc:  # nothing was touched: the local hit stands, no block is invalid
+        return reader._failed(decision, started, num_tokens, Failure.RANK_MAPPING, (), str(exc))
+    invalid = tuple(local_ids.tolist())
+    peers: dict[int, Peer] = {}
+    tickets: dict[int, ClaimTicket] = {}  # open claims: the owner rank still pins the blocks
+    claim_s = 0.0
+    try:
+        if time.monotonic() >= deadline:
+            raise _RankFailed(involved[0], _shown_address(addresses[involved[0]]),
+                              TransferTimeoutError("the load's deadline passed before it started (queued too long)"))
+        for rank in involved:
+            host, port = addresses[rank]
+            try:
+                peer = reader._peer_at(host, port)
+                _check_shard(peer, reader.num_kv_heads, handle.tp_size, rank)
+                peers[rank] = peer
+                t0 = time.perf_counter()
+                tickets[rank] = reader._claim(peer, handle, decision.fetch_blocks.stop, deadline,
+                                              time.monotonic() + min(unknown_grace_s, reader.timeout_s))
+                claim_s += time.perf_counter() - t0
+            except TransferError as exc:
+                raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
+        telemetry = _read_slices(reader, decision, local_ids, slices, peers, tickets, addresses, deadline)
+        t0 = time.perf_counter()
+        for rank in involved:
+            ticket = tickets.pop(rank)  # confirming ends the claim either way: nothing left to unpin on this rank
+            try:
+                reader.engine.finish_claim(peers[rank], ticket, ok=True, timeout=_left(deadline))
+            except TransferError as exc:
+                raise _RankFailed(rank, _shown_address(addresses[rank]), exc, confirming=True) from exc
+        claim_s += time.perf_counter() - t0
+    except _RankFailed as failed:
+        for rank, ticket in tickets.items():  # every other rank's claim: let its owner unpin now
+            try:
+                reader.engine.finish_claim(peers[rank], ticket, ok=False, timeout=_left(deadline))
+            except TransferError as report:
+                log.debug("kvshuttle: could not report a failed read to owner rank %d: %s", rank, report)
+        error = failed.error
+        failure = Failure.REUSED_MEANWHILE if failed.confirming and isinstance(error, ClaimRefusedError) \
+            else _failure(error)
+        if failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE, Failure.TRANSFER_TIMEOUT) \
+                and failed.rank in peers:
+            reader._mark_failed(peers[failed.rank].address, str(error))
+        return reader._failed(decision, started, num_tokens, failure, invalid, str(failed), claim_s,
+                              getattr(error, "reason", ""))
+    return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
+                       decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
+
+
+def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray[np.int64],
+                 slices: tuple[HeadSlice, ...], peers: dict[int, Peer], tickets: dict[int, ClaimTicket],
+                 addresses: dict[int, tuple[str, str]], deadline: float) -> TransferTelemetry:
+    """Start every slice's read, then wait for all; _RankFailed names the first rank whose read failed."""
+    local_heads = reader.engine.cache.geometry.num_heads
+    telemetry: list[TransferTelemetry] = []
+    with contextlib.ExitStack() as running:  # a failure releases (cancels) every read still in flight
+        started: list[tuple[int, TransferHandle]] = []
+        for s in slices:
+            whole = s.num_heads == local_heads == peers[s.owner_rank].info.cache.num_heads
+            try:
+                transfer = reader.engine.read(
+                    peers[s.owner_rank], local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
+                    path=reader.path if whole else "packed", timeout=_left(deadline), num_heads=s.num_heads,
+                    local_head_offset=s.reader_head_offset, remote_head_offset=s.owner_head_offset,
+                    claim=tickets[s.owner_rank])
+            except TransferError as exc:
+                raise _RankFailed(s.owner_rank, _shown_address(addresses[s.owner_rank]), exc) from exc
+            running.enter_context(transfer)
+            started.append((s.owner_rank, transfer))
+        for rank, transfer in started:
+            try:
+                telemetry.append(transfer.wait(_left(deadline)))
+            except TransferError as exc:
+                raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
+    return _combined(telemetry)
+
+
+def _check_shard(peer: Peer, num_kv_heads: int, owner_tp: int, rank: int) -> None:
+    """IncompatiblePeerError unless owner rank ``rank`` serves the head shard its rank holds at ``owner_tp``."""
+    want, got = len(rank_heads(num_kv_heads, owner_tp, rank)), peer.info.cache.num_heads
+    if got != want:
+        raise IncompatiblePeerError(f"it serves {got} KV heads, but rank {rank} of TP={owner_tp} holds {want} of "
+                                    f"{num_kv_heads}")
+
+
+def _combined(parts: list[TransferTelemetry]) -> TransferTelemetry:
+    """One telemetry for the slices' reads: counts summed, the slowest read's time (they ran concurrently)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    paths = sorted({p.path for p in parts})
+    return replace(first, path=paths[0] if len(paths) == 1 else "+".join(paths),
+                   reason=f"{len(parts)} head slices: " + "; ".join(sorted({p.reason for p in parts})),
+                   bytes=sum(p.bytes for p in parts), descriptors=sum(p.descriptors for p in parts),
+                   pieces=sum(p.pieces for p in parts), chunks=sum(p.chunks for p in parts),
+                   prep_time_s=sum(p.prep_time_s for p in parts), post_time_s=sum(p.post_time_s for p in parts),
+                   transfer_time_s=max(p.transfer_time_s for p in parts),
+                   unpack_time_s=sum(p.unpack_time_s for p in parts),
+                   owner_pack_time_s=sum(p.owner_pack_time_s for p in parts), nixl_descriptors=None)
+
+
+def _shown_address(address: tuple[str, str]) -> str:
+    return f"{address[0]}:{address[1]}"
