@@ -8,8 +8,6 @@ release, metrics). Every wait has a timeout and the process is killed in ``close
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +15,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from transfer_helpers import PipedProcess
+
 SECRET_BYTES = b"kvshuttle-tensor-parallel-rank-tests-secret-0001"
 STARTUP_TIMEOUT_S = 60.0
-COMMAND_TIMEOUT_S = 20.0
 POISON = 0xA5A5
 
 Layers = list[npt.NDArray[np.uint16]]
@@ -95,16 +94,12 @@ def _rank_main(conn: Any, model: Model, tp_size: int, rank: int) -> None:
         conn.close()
 
 
-class OwnerRank:
+class OwnerRank(PipedProcess):
     """One owner rank's process. ``start`` does not wait: start every rank, then ``wait_ready`` each."""
 
     def __init__(self, model: Model, tp_size: int, rank: int) -> None:
         self.model, self.tp_size, self.rank = model, tp_size, rank
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_rank_main, args=(child, model, tp_size, rank), daemon=True)
-        self.process.start()
-        child.close()
+        super().__init__(f"owner rank {rank}", _rank_main, (model, tp_size, rank))
         self.address = ""
 
     def wait_ready(self) -> None:
@@ -112,38 +107,6 @@ class OwnerRank:
         if reply[0] != "ready":
             raise RuntimeError(f"owner rank {self.rank} failed to start: {reply}")
         self.address = reply[1]
-
-    def _receive(self, timeout: float) -> Any:
-        try:
-            if not self._conn.poll(timeout):
-                raise TimeoutError(f"owner rank {self.rank} did not answer within {timeout} s")
-            return self._conn.recv()
-        except (EOFError, OSError) as exc:
-            raise RuntimeError(f"owner rank {self.rank} exited (exit code {self.process.exitcode})") from exc
-
-    def call(self, command: str, timeout: float = COMMAND_TIMEOUT_S, **args: Any) -> Any:
-        self._conn.send((command, args))
-        reply = self._receive(timeout)
-        if reply[0] == "error":
-            raise RuntimeError(reply[1])
-        return reply[1]
-
-    def kill(self) -> None:
-        """SIGKILL, the way a crashed decode worker disappears."""
-        if self.process.is_alive():
-            self.process.kill()  # SIGKILL
-            self.process.join(10)
-
-    def close(self) -> None:
-        try:
-            if self.process.is_alive():
-                with contextlib.suppress(OSError):
-                    self._conn.send(("stop", {}))
-                self.process.join(5)
-        finally:
-            if self.process.is_alive():
-                self.kill()
-            self._conn.close()
 
 
 def start_owner_groups(groups: list[tuple[Model, int]]) -> list[list[OwnerRank]]:

@@ -148,30 +148,25 @@ def _owner_main(conn: Any, specs: list[OwnerSpec]) -> None:
         conn.close()
 
 
-class OwnerProcess:
-    """An owner process; use as a context manager (it is always killed on exit)."""
+class PipedProcess:
+    """A helper process ("spawn") answering commands over a pipe: every wait has a timeout, and ``close()``
+    always ends it (a polite stop, then SIGKILL)."""
 
-    def __init__(self, specs: list[OwnerSpec]) -> None:
-        self.specs = specs
+    def __init__(self, name: str, target: Any, args: tuple[Any, ...]) -> None:
+        self.name = name
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_owner_main, args=(child, specs), daemon=True)
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.process.start()
         child.close()
-        reply = self._receive(STARTUP_TIMEOUT_S)
-        if reply[0] != "ready":
-            self.close()
-            raise RuntimeError(f"owner process failed to start: {reply}")
-        self.addresses: list[str] = reply[1]
-        self.pid: int = reply[2]
 
     def _receive(self, timeout: float) -> Any:
         try:
             if not self._conn.poll(timeout):
-                raise TimeoutError(f"owner process did not answer within {timeout} s")
+                raise TimeoutError(f"{self.name} did not answer within {timeout} s")
             return self._conn.recv()
         except (EOFError, OSError) as exc:
-            raise RuntimeError(f"owner process exited (exit code {self.process.exitcode})") from exc
+            raise RuntimeError(f"{self.name} exited (exit code {self.process.exitcode})") from exc
 
     def call(self, command: str, timeout: float = COMMAND_TIMEOUT_S, **args: Any) -> Any:
         self._conn.send((command, args))
@@ -196,6 +191,20 @@ class OwnerProcess:
             if self.process.is_alive():
                 self.kill()
             self._conn.close()
+
+
+class OwnerProcess(PipedProcess):
+    """An owner process; use as a context manager (it is always killed on exit)."""
+
+    def __init__(self, specs: list[OwnerSpec]) -> None:
+        self.specs = specs
+        super().__init__("owner process", _owner_main, (specs,))
+        reply = self._receive(STARTUP_TIMEOUT_S)
+        if reply[0] != "ready":
+            self.close()
+            raise RuntimeError(f"owner process failed to start: {reply}")
+        self.addresses: list[str] = reply[1]
+        self.pid: int = reply[2]
 
     def __enter__(self) -> OwnerProcess:
         return self
