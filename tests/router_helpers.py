@@ -227,6 +227,16 @@ def head(path: str, length: int | None, **headers: str) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Terminate a router process started by a test, then kill it if it does not exit."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -46,6 +46,7 @@ from router_helpers import (
     post_raw,
     prefill_handles,
     routing,
+    stop_process,
 )
 
 pytest_plugins = ["router_fixtures"]  # loop, redis_server
@@ -384,12 +385,7 @@ def run_router(prefill: FakeVllm, decode: FakeVllm, env: dict[str, str], extra: 
             for _ in range(turns):
                 assert chat.turn(stream=True) == ANSWER
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+            stop_process(proc)
     return log.read_text()
 
 

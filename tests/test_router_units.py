@@ -31,6 +31,7 @@ from router_helpers import (
     LoopThread,
     free_port,
     fresh_secret,
+    stop_process,
 )
 
 pytest_plugins = ["router_fixtures"]  # loop, redis_server
@@ -265,12 +266,7 @@ def test_the_router_command_serves_turns(loop: LoopThread, tmp_path: Path) -> No
         chat.turn(stream=True)
         assert prefill.stats.matched == 1
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        stop_process(proc)
         log.close()
         loop.run(prefill.stop())
         loop.run(decode.stop())
