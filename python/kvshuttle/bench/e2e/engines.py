@@ -114,21 +114,29 @@ def shuttle_transfer_config(*, bidirectional: bool = True, **extra: Any) -> dict
 
 def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str, Any], log_dir: Path, *,
             name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0,
-            decode_block_size: int | None = None) -> tuple[VllmEngine, VllmEngine]:
+            decode_block_size: int | None = None, prefill_tp: int = 1,
+            decode_tp: int = 1) -> tuple[VllmEngine, VllmEngine]:
     """A prefill (prefix cache off, core 0) and a decode engine (prefix cache on, core 1), not started yet
     (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600).
-    ``decode_block_size``: the decode's block size when it differs from prefill's 32."""
+    ``decode_block_size``: the decode's block size when it differs from prefill's 32. ``prefill_tp`` /
+    ``decode_tp``: tensor-parallel sizes (vLLM's multiprocess executor; an engine's ranks share its core)."""
     engines = []
-    for role, config, cores in (("prefill", prefill_config, (0,)),
-                                ("decode", decode_config, (1 % (os.cpu_count() or 1),))):
+    for role, config, cores, tp in (("prefill", prefill_config, (0,), prefill_tp),
+                                    ("decode", decode_config, (1 % (os.cpu_count() or 1),), decode_tp)):
         port = free_port() if config.get("kv_connector") == "NixlConnector" else None
         label = f"{name}-{role}" if name else role
         engines.append(VllmEngine(EngineSpec(
             model=model, name=label, kv_transfer_config=config, enable_prefix_caching=role == "decode",
             block_size=(decode_block_size or 32) if role == "decode" else 32,
             side_channel_port=port, cpu_cores=cores, warmup_tokens=warmup_tokens, startup_timeout_s=420.0,
-            request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log")), start=False))
+            request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log"),
+            llm_kwargs=tensor_parallel(tp)), start=False))
     return engines[0], engines[1]
+
+
+def tensor_parallel(tp_size: int) -> dict[str, Any]:
+    """``LLM(...)`` arguments for ``tp_size`` tensor-parallel ranks (none at 1)."""
+    return {"tensor_parallel_size": tp_size, "distributed_executor_backend": "mp"} if tp_size > 1 else {}
 
 
 def free_port() -> int:

@@ -22,11 +22,13 @@ try:
         KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorWorkerMetadata,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 except ImportError:  # without vLLM the connector's logic still imports (and is unit-tested); vLLM never loads it
     vllm = None
     KVConnectorBase_V1 = KVConnectorHandshakeMetadata = KVConnectorMetadata = KVConnectorRole = object
+    KVConnectorWorkerMetadata = object
     KVConnectorPromMetrics = object
 
     @dataclass
@@ -42,10 +44,14 @@ __all__ = [
     "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
+    "KVConnectorWorkerMetadata",
+    "Parallel",
     "attention_backend",
     "check_version",
     "force_recompute_on_load_failure",
     "model_name",
+    "parallel_layout",
+    "worker_tp_rank",
 ]
 
 
@@ -91,3 +97,33 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How an engine splits the model: ``tp_size`` tensor-parallel ranks over ``num_kv_heads`` KV heads."""
+
+    tp_size: int
+    num_kv_heads: int
+
+
+def parallel_layout(vllm_config: Any) -> Parallel:
+    """The engine's tensor-parallel size and the model's total KV heads; ValueError for what kvshuttle cannot
+    serve: pipeline, context or decode-context parallelism (a rank would then hold only some layers or tokens)."""
+    parallel = vllm_config.parallel_config
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    others = {name: int(getattr(parallel, name, 1) or 1) for name in
+              ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")}
+    beyond = {name: size for name, size in others.items() if size > 1}
+    if beyond:
+        raise ValueError(f"kvshuttle's connector supports tensor parallelism only, not {beyond}: every rank must "
+                         "hold every layer and token of its KV heads")
+    model_config = vllm_config.model_config
+    return Parallel(tp, int(model_config.get_total_num_kv_heads()))
+
+
+def worker_tp_rank() -> int:
+    """This worker's tensor-parallel rank (call in a worker process, after vLLM set up its groups)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

@@ -21,10 +21,13 @@ from .compat import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
     attention_backend,
     check_version,
     force_recompute_on_load_failure,
     model_name,
+    parallel_layout,
+    worker_tp_rank,
 )
 from .config import ConnectorConfigError, ShuttleConfig
 from .guard import HookGuard
@@ -43,15 +46,19 @@ class KVShuttleConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         config = ShuttleConfig.from_extra(dict(transfer.kv_connector_extra_config or {}),
                                           model=model_name(vllm_config))
-        if vllm_config.parallel_config.world_size > 1:
-            raise ConnectorConfigError("kvshuttle's vLLM connector supports one worker per engine (TP=PP=1) so far")
+        try:
+            parallel = parallel_layout(vllm_config)
+        except ValueError as exc:
+            raise ConnectorConfigError(str(exc)) from None
         engine_id = str(transfer.engine_id)
         block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
             force_recompute_on_load_failure(vllm_config)
-            self._attach(ShuttleScheduler(config, engine_id, block_size), None)
-        else:
-            self._attach(None, ShuttleWorker(config, engine_id, block_size))
+            self._attach(ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size), None)
+        else:  # one worker per tensor-parallel rank, each serving and reading its own head shard
+            rank = worker_tp_rank() if parallel.tp_size > 1 else 0
+            self._attach(None, ShuttleWorker(config, engine_id, block_size, tp_rank=rank, tp_size=parallel.tp_size,
+                                             num_kv_heads=parallel.num_kv_heads))
 
     def _attach(self, scheduler: ShuttleScheduler | None, worker: ShuttleWorker | None) -> None:
         """Bind this facade to its side (tests build the facade around a side without vLLM this way)."""
@@ -101,9 +108,10 @@ class KVShuttleConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._scheduler is not None
         try:
+            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             sending, recving = self._scheduler.update_connector_output(
                 connector_output.finished_sending, getattr(connector_output, "invalid_block_ids", None),
-                getattr(connector_output, "finished_recving", None))
+                getattr(connector_output, "finished_recving", None), getattr(worker_meta, "ended", None))
             # vLLM frees and admits from these right after this hook: only ids this side vouches for
             connector_output.finished_sending = sending or None
             connector_output.finished_recving = recving or None
@@ -112,11 +120,9 @@ class KVShuttleConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         assert self._scheduler is not None
-        try:
-            first = metadata.get(0)
-            if isinstance(first, ShuttleHandshake):
-                self._scheduler.address = first
-        except Exception as exc:  # without an address nothing is retained (counted there)
+        try:  # {tp_rank: handshake}: every rank's side channel goes into the handles
+            self._scheduler.set_ranks({rank: m for rank, m in metadata.items() if isinstance(m, ShuttleHandshake)})
+        except Exception as exc:  # without the addresses nothing is retained (counted there)
             self._guard.failed("set_xfer_handshake_metadata", exc)
 
     def _forget(self, request: Any) -> None:
@@ -160,6 +166,15 @@ class KVShuttleConnector(KVConnectorBase_V1):
             self._guard.failed("get_finished", exc)
             return None, None
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        try:
+            return self._worker.worker_meta()
+        except Exception as exc:
+            self._guard.failed("build_connector_worker_meta", exc)
+            return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._worker is None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...policy import Decision, KVHandle
-from .compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from .compat import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class RetainJob:
-    """Keep ``block_ids`` for a finished request under the handle the scheduler already published."""
+    """Keep ``block_ids`` for a finished request under the handle the scheduler already published (every
+    tensor-parallel rank retains the same handle: same id, blocks and digests)."""
 
     request_id: str
     handle_id: str
@@ -61,11 +62,30 @@ class ShuttleMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     retains: list[RetainJob] = field(default_factory=list)
     publications: list[Publication] = field(default_factory=list)
+    # requests whose retention ended on some tensor-parallel rank: every rank ends it too (vLLM frees the
+    # blocks only when every rank reported the request finished sending)
+    releases: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ShuttleWorkerMeta(KVConnectorWorkerMetadata):
+    """What a worker tells the scheduler each step (vLLM aggregates every rank's): the requests whose retention
+    ended on this rank (expired, released, evicted, consumed), so that the scheduler ends them on every rank."""
+
+    ended: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: Any) -> ShuttleWorkerMeta:
+        return ShuttleWorkerMeta(self.ended | set(getattr(other, "ended", ()) or ()))
 
 
 @dataclass
 class ShuttleHandshake(KVConnectorHandshakeMetadata):
-    """Where the worker serves its blocks (published in every handle the scheduler issues)."""
+    """Where a worker (tensor-parallel rank ``tp_rank``) serves its head shard (every handle lists each rank's)."""
 
     host: str
     port: int
+    tp_rank: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -53,13 +53,16 @@ CONSUMED = PREFIX + "consumed"  # set in a request's params once its load is sch
 
 class ShuttleScheduler:
     def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
-                 secret: DeploymentSecret | None = None) -> None:
+                 secret: DeploymentSecret | None = None, tp_size: int = 1) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        self.tp_size = tp_size
         self.policy = config.policy()
         self.secret = secret if secret is not None else config.deployment_secret()
-        self.address: ShuttleHandshake | None = None  # the worker's side channel, once it reported it
+        self._ranks: tuple[ShuttleHandshake, ...] = ()  # every rank's side channel, once all reported
+        self._releases: list[str] = []  # retentions that ended on some rank: end them on every rank
+        self._ending: set[str] = set()  # of the held requests, those every rank was told to end
         self._decisions: dict[str, tuple[int, Decision, KVHandle]] = {}  # request -> awaiting alloc
         self._loads: list[LoadJob] = []
         self._retains: list[RetainJob] = []
@@ -69,6 +72,28 @@ class ShuttleScheduler:
         self._reads: dict[str, tuple[int, frozenset[int]]] = {}  # request -> (tokens read, target blocks)
         self._warned: set[str] = set()
         self.counts: dict[str, int] = {}
+
+    # -- where the workers serve ------------------------------------------------------------------------
+    @property
+    def address(self) -> ShuttleHandshake | None:
+        """Rank 0's side channel (the handle's ``host:port``), once every rank reported its own."""
+        return self._ranks[0] if self._ranks else None
+
+    @address.setter
+    def address(self, handshake: ShuttleHandshake | None) -> None:
+        self.set_ranks({} if handshake is None else {0: handshake})
+
+    def set_ranks(self, metadata: dict[int, Any]) -> None:
+        """Every tensor-parallel rank's handshake (vLLM's ``{tp_rank: metadata}``). Nothing is retained until
+        all ``tp_size`` ranks reported a side channel: a handle must name every shard."""
+        ranks = [metadata.get(rank) for rank in range(self.tp_size)]
+        if not all(isinstance(r, ShuttleHandshake) for r in ranks) or len(metadata) != self.tp_size:
+            self._ranks = ()
+            if metadata:
+                self._warn_once("ranks", f"kvshuttle: {len(metadata)} of {self.tp_size} ranks reported a side "
+                                         f"channel (ranks {sorted(metadata)[:8]}); nothing is retained")
+            return
+        self._ranks = tuple(r for r in ranks if isinstance(r, ShuttleHandshake))
 
     # -- admission ------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -148,8 +173,8 @@ class ShuttleScheduler:
         self._count("load_failed")
 
     def build_connector_meta(self) -> ShuttleMetadata:
-        meta = ShuttleMetadata(self._loads, self._retains, self._publications)
-        self._loads, self._retains, self._publications = [], [], []
+        meta = ShuttleMetadata(self._loads, self._retains, self._publications, self._releases)
+        self._loads, self._retains, self._publications, self._releases = [], [], [], []
         return meta
 
     # -- finished requests ----------------------------------------------------------------------------------
@@ -228,8 +253,10 @@ class ShuttleScheduler:
         now = time.time()
         digests = tuple(block_digests(list(request.all_token_ids[:tokens]), self.block_size,
                                       extra_key=self.policy.extra_key))
+        ranks = tuple(r.address for r in self._ranks) if self.tp_size > 1 else ()
         handle = KVHandle(self.engine_id, request.request_id, self.address.host, self.address.port, tuple(table),
-                          tokens, now + ttl, 1, secrets.token_urlsafe(18), 0, self.block_size, digests, now, ttl)
+                          tokens, now + ttl, self.tp_size, secrets.token_urlsafe(18), 0, self.block_size, digests,
+                          now, ttl, ranks)
         once = prefill or self.config.reads == "use_once"  # a prompt is read by its one decode
         job = RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens, self.block_size,
                         ttl, once)
@@ -241,10 +268,20 @@ class ShuttleScheduler:
         return job, out
 
     def update_connector_output(self, finished_sending: set[str] | None, invalid_block_ids: set[int] | None,
-                                finished_recving: set[str] | None = None) -> tuple[set[str], set[str]]:
-        """Take the worker's report; returns (finished_sending, finished_recving) as vLLM may see them: ids this
+                                finished_recving: set[str] | None = None,
+                                ended: set[str] | None = None) -> tuple[set[str], set[str]]:
+        """Take the workers' report; returns (finished_sending, finished_recving) as vLLM may see them: ids this
         side never kept, or never scheduled a load for, or already saw reported, are dropped (counted, logged
-        once). vLLM asserts on such an id, and that would take the whole EngineCore down."""
+        once). vLLM asserts on such an id, and that would take the whole EngineCore down.
+
+        ``ended``: requests whose retention ended on some rank (``ShuttleWorkerMeta``). With tensor parallelism
+        the next step tells every rank to end them too, so that an eviction, release, expiry or use-once read
+        on one rank frees the blocks (vLLM frees them when every rank reported) and no rank serves a handle
+        another rank dropped."""
+        if self.tp_size > 1 and ended:
+            news = sorted((set(ended) & self._held) - self._ending)
+            self._releases.extend(news)
+            self._ending.update(news)
         sending, recving = set(finished_sending or ()), set(finished_recving or ())
         stray = (sending - self._held) | (recving - self._awaiting)
         if stray:
@@ -254,6 +291,7 @@ class ShuttleScheduler:
         sending &= self._held
         recving &= self._awaiting
         self._held -= sending
+        self._ending -= sending
         self._awaiting -= recving
         if invalid_block_ids:  # a read that failed: vLLM recomputes those blocks, so nothing was reused
             for request_id, (_, blocks) in list(self._reads.items()):
@@ -267,7 +305,8 @@ class ShuttleScheduler:
         """How many entries each per-request structure holds (all return to 0 when no request is in flight)."""
         return {"decisions": len(self._decisions), "loads": len(self._loads), "retains": len(self._retains),
                 "publications": len(self._publications), "held": len(self._held), "reads": len(self._reads),
-                "awaiting": len(self._awaiting)}
+                "awaiting": len(self._awaiting), "releases": len(self._releases),
+                "ending": len(self._ending)}
 
     def take_stats(self) -> ShuttleStats:
         """Decisions counted since the last call (vLLM merges them with the worker's)."""

@@ -31,7 +31,7 @@ from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, TransferEngine
 from ...trust import DeploymentSecret
 from .config import ConnectorConfigError, ShuttleConfig
-from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata
+from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata, ShuttleWorkerMeta
 from .stats import ShuttleStats
 
 log = logging.getLogger("vllm.kvshuttle")
@@ -41,10 +41,12 @@ UNMATCHED_STEPS = 8  # steps a finished id without a retention here is kept, in 
 
 class ShuttleWorker:
     def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
-                 secret: DeploymentSecret | None = None) -> None:
+                 secret: DeploymentSecret | None = None, *, tp_rank: int = 0, tp_size: int = 1,
+                 num_kv_heads: int | None = None) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
+        self.tp_rank, self.tp_size, self.num_kv_heads = tp_rank, tp_size, num_kv_heads
         self.secret = secret if secret is not None else config.deployment_secret()
         self.engine: TransferEngine | None = None
         self.ledger: RetentionLedger | None = None
@@ -53,7 +55,8 @@ class ShuttleWorker:
         self._lock = threading.Lock()
         self._loading: dict[str, tuple[Future[ReuseResult], LoadJob]] = {}  # submitted, not yet reported
         self._failed: dict[str, tuple[int, ...]] = {}  # loads that never ran: reported failed next step
-        self._retained: set[str] = set()  # requests whose RetainJob came here and are not reported yet
+        self._retained: dict[str, str] = {}  # request -> handle id: its RetainJob came here, not reported yet
+        self._ended: set[str] = set()  # retentions that ended here since the last worker_meta (TP > 1)
         self._released: set[str] = set()  # of those, the ones whose retention ended
         self._seen_finished: set[str] = set()  # of those, the ones vLLM named finished (a report needs both)
         self._unmatched: dict[str, int] = {}  # finished ids with no retention here (yet) -> step seen
@@ -71,8 +74,10 @@ class ShuttleWorker:
                 f"the KV cache's kernel blocks hold {cache.geometry.block_size} tokens but vLLM's blocks "
                 f"{self.block_size}; kvshuttle needs them equal (set --block-size to the kernel block size)")
         c = self.config
-        self.engine = TransferEngine(cache, EngineConfig(name=f"kvshuttle-{self.engine_id}", backends=c.backends,
-                                                         host=c.host, advertise_host=c.advertise_host, port=c.port,
+        name = f"kvshuttle-{self.engine_id}" + (f"-tp{self.tp_rank}" if self.tp_size > 1 else "")
+        rank_port = c.port + self.tp_rank if c.port else 0  # kvshuttle_port is rank 0's; rank r: port + r
+        self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
+                                                         advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s, secret=self.secret))
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
@@ -84,14 +89,23 @@ class ShuttleWorker:
         self.engine.claims = self.ledger
         self.engine.board = self.board
         self.reader = ReuseReader(self.engine, c.policy(), timeout_s=c.load_timeout_s, path=c.path,
-                                  allowed_owners=c.allowed_owners)
-        log.info("kvshuttle: serving %s on %s; retention budget %d of %d blocks, up to %d loads at once",
-                 g.describe(), address, budget, g.num_blocks, c.max_concurrent_loads)
+                                  allowed_owners=c.allowed_owners, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                  num_kv_heads=self.num_kv_heads)
+        log.info("kvshuttle: rank %d of TP=%d serving %s on %s; retention budget %d of %d blocks, up to %d loads at "
+                 "once", self.tp_rank, self.tp_size, g.describe(), address, budget, g.num_blocks,
+                 c.max_concurrent_loads)
 
     def handshake(self) -> ShuttleHandshake | None:
         if self.ledger is None:
             return None
-        return ShuttleHandshake(self.ledger.host, self.ledger.port)
+        return ShuttleHandshake(self.ledger.host, self.ledger.port, self.tp_rank)
+
+    def worker_meta(self) -> ShuttleWorkerMeta | None:
+        """The retentions that ended on this rank since the last call (TP > 1: the scheduler ends them on every
+        rank); None when there is nothing to say."""
+        with self._lock:
+            ended, self._ended = self._ended, set()
+        return ShuttleWorkerMeta(ended) if ended else None
 
     # -- every step -----------------------------------------------------------------------------------------
     def start(self, meta: ShuttleMetadata) -> None:
@@ -101,6 +115,8 @@ class ShuttleWorker:
         for job in meta.retains:
             if not self._retain(job):
                 refused.add(job.request_id)
+        for request_id in meta.releases:  # ended on another rank: no rank may serve it any more
+            self._release(request_id)
         for pub in meta.publications:  # after the retains: a published handle is already claimable
             try:
                 self.board.put(pub.key, None if pub.request_id in refused else pub.params)
@@ -128,7 +144,8 @@ class ShuttleWorker:
             sending = {rid for rid in self._released if rid in self._seen_finished}
             self._released -= sending
             self._seen_finished -= sending
-            self._retained -= sending
+            for request_id in sending:
+                del self._retained[request_id]
             done = {rid for rid, (future, _) in self._loading.items() if future.done()}
             for request_id in done:
                 future, job = self._loading.pop(request_id)
@@ -187,14 +204,14 @@ class ShuttleWorker:
     # -- internals ------------------------------------------------------------------------------------------
     def _retain(self, job: RetainJob) -> bool:
         with self._lock:
-            self._retained.add(job.request_id)
+            self._retained[job.request_id] = job.handle_id
             if self._unmatched.pop(job.request_id, None) is not None:  # vLLM named it finished already
                 self._seen_finished.add(job.request_id)
         try:
             if self.ledger is None:
                 raise ConnectorConfigError("the worker has no KV cache registered")
             self.ledger.retain(job.request_id, job.block_ids, job.digests, job.num_tokens, job.block_size,
-                               ttl_s=job.ttl_s, handle_id=job.handle_id, generation=0,
+                               tp_size=self.tp_size, ttl_s=job.ttl_s, handle_id=job.handle_id, generation=0,
                                mode="use_once" if job.use_once else "multi_read")
             return True
         except BudgetExceededError as exc:
@@ -276,10 +293,22 @@ class ShuttleWorker:
             with self._lock:
                 self._stats.data["notifications"] = self._stats.data.get("notifications", 0) + count
 
+    def _release(self, request_id: str) -> None:
+        with self._lock:
+            handle_id = self._retained.get(request_id)
+        if handle_id is None or self.ledger is None:
+            return
+        try:
+            self.ledger.release(handle_id)  # False when it ended here already
+        except Exception as exc:
+            self._warn_once("release", f"kvshuttle: ending request {request_id}'s retention failed: {exc!r}")
+
     def _on_release(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._retained:
                 self._released.add(request_id)
+                if self.tp_size > 1:
+                    self._ended.add(request_id)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
