@@ -103,7 +103,8 @@ def test_the_bundled_example_trace_is_package_data() -> None:
 def test_profiles_by_name_file_and_model_shape(tmp_path: Path) -> None:
     assert QWEN3_32B.kv_bytes_per_token == 256 * 1024
     h200 = load_profile("h200-efa-qwen3-32b")
-    assert (h200.kv_bytes_per_token, h200.bandwidth_bytes_per_s, h200.block_size) == (262144.0, 50e9, 16)
+    assert (h200.kv_bytes_per_token, h200.bandwidth_bytes_per_s, h200.block_size) == (262144.0, 50e9 / 8, 16)
+    assert (h200.tp_size, h200.kv_heads) == (8, 8)  # the published runs: TP8, 6.25 GB/s per rank
     assert load_profile("measured").block_size == 32
     data = {**h200.to_dict(), "name": "mine"}
     del data["kv_bytes_per_token"], data["attention_ratio"]
@@ -113,6 +114,7 @@ def test_profiles_by_name_file_and_model_shape(tmp_path: Path) -> None:
     mine = load_profile(str(path))
     assert mine.kv_bytes_per_token == 262144.0
     assert mine.attention_ratio == pytest.approx(QWEN3_32B.attention_ratio)
+    assert mine.kv_heads == 8  # from the model shape (h200's to_dict gave it too; the shape's is the same)
 
 
 @pytest.mark.parametrize(("changes", "words"), [

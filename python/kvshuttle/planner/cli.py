@@ -3,6 +3,7 @@
     kvshuttle plan                                   # the bundled agent trace, the H200 + EFA profile
     kvshuttle plan --trace my.jsonl --profile measured --ttl 60,240,480 --threshold 64,256,cost --plots out/
     kvshuttle plan --synthetic conversations=50,human_fraction=0.5,human_gap_s=600 --json
+    kvshuttle plan --tp-size 4 --json                # the profile's KV split over 4 TP ranks
     kvshuttle plan --cases                           # no reusable context, pauses past the TTL, edited history
     kvshuttle plan --validate                        # predictions vs benchmarks/results/vm2_e2e.json, per row
     kvshuttle plan --reproduce                       # the published Qwen3-32B H200 curve, on and off
@@ -38,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-workers", type=int, default=1,
                         help="prefill workers turns are routed to at random (local-prefix-cache baseline)")
     parser.add_argument("--prefill-cache-gib", type=float, default=None, help="override the profile's prefix cache")
+    parser.add_argument("--tp-size", type=int, default=None, metavar="N",
+                        help="override the profile's TP size: the KV splits over N ranks by KV heads, each reading "
+                             "its shard over its own link (the profile's bandwidth is per rank); prefill and decode "
+                             "times stay the profile's")
     parser.add_argument("--queue", action="store_true", help="requests wait for their prefill worker (FIFO)")
     parser.add_argument("--expiry-margin", type=float, default=5.0, help="seconds of TTL a read needs left")
     parser.add_argument("--plots", metavar="DIR", help="write ttft_vs_prompt.png and retained_vs_ttl.png here")
@@ -101,10 +106,12 @@ def _main(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     if args.prefill_cache_gib is not None:
         profile = profile.with_changes(prefill_cache_gib=args.prefill_cache_gib)
+    if args.tp_size is not None:
+        profile = profile.with_changes(tp_size=args.tp_size)
     if args.reproduce:
         from .published import format_reproduction, reproduce
 
-        rows = reproduce(profile if args.profile != "h200-efa-qwen3-32b" else None)
+        rows = reproduce(profile)
         _emit(args, {"profile": profile.to_dict(), "rows": rows}, format_reproduction(rows, profile))
         return 0
     ttls, thresholds = _floats(args.ttl, "ttl"), _thresholds(args.threshold)

@@ -2,16 +2,31 @@
 
 A :class:`CostProfile` is a handful of numbers:
 
-* **KV bytes per token** (all layers, K and V), from a model shape (:class:`ModelShape`: layers x KV heads x head
-  dim x dtype bytes x 2) or given; ``block_size`` tokens per KV block (reads move whole blocks).
-* **Transfer**: ``transfer_overhead_s + bytes / bandwidth_bytes_per_s`` per reverse read.
+* **KV bytes per token** (all layers, K and V, one copy of the model's KV), from a model shape
+  (:class:`ModelShape`: layers x KV heads x head dim x dtype bytes x 2) or given; ``block_size`` tokens per KV
+  block (reads move whole blocks).
+* **Tensor parallelism**: ``tp_size`` ranks (default 1) on both prefill and decode, the KV split over them by KV
+  heads as vLLM splits it: each rank holds ``max(1, kv_heads // tp_size)`` of the ``kv_heads`` heads, so ranks
+  outnumbering the heads replicate them, and MLA (one latent per token and layer, ``kv_heads`` 1) is replicated
+  on every rank. Per rank: ``kv_bytes_per_token * max(1, kv_heads // tp_size) / kv_heads`` bytes per token
+  (:attr:`CostProfile.rank_kv_bytes_per_token`); ``kv_heads`` 0 (unknown, e.g. a profile given bytes per token
+  without a model shape) splits evenly, ``kv_bytes_per_token / tp_size``. Bytes moved and bytes retained count
+  every rank's copy (per rank x ``tp_size``: :meth:`CostProfile.block_bytes`).
+* **Transfer**: ``transfer_overhead_s + rank bytes / bandwidth_bytes_per_s`` per reverse read: every rank reads
+  its own shard over its own link at the same time, so ``bandwidth_bytes_per_s`` is per rank (per link), not the
+  sum over the ranks (at ``tp_size`` 1 the two are the same).
 * **Prefill**: ``prefill_fixed_s + work / prefill_tokens_per_s`` where computing ``new`` tokens after ``context``
   tokens already in the cache is ``work = new + attention_ratio * new * (context + new / 2)`` token-equivalents:
   the linear part (projections, MLP) per token plus attention over every earlier token. ``attention_ratio`` is
   attention's work per (query, key) pair in units of one token's linear work: ``4 * layers * q_heads * head_dim /
   (2 * params)`` from a model shape (:meth:`ModelShape.attention_ratio`), or fitted.
 * **Decode**: ``decode_fixed_s + decode_s_per_token * output_tokens`` (the same with or without reverse reads).
-* ``prefill_cache_gib``: the prefill worker's prefix-cache capacity, for the local-prefix-cache baseline.
+* ``prefill_cache_gib``: the prefill worker's prefix-cache capacity over all its ranks (replicas counted), for
+  the local-prefix-cache baseline.
+
+Prefill and decode times are the whole engine's (all its ranks together) as measured: ``tp_size`` does not scale
+them. A profile measured or fitted at one TP size describes that TP size; changing ``tp_size`` alone re-shards
+the reads (and the bytes held) under the same per-rank link and the same compute.
 
 Profiles come from a name (:data:`PROFILE_NAMES`: ``measured``, fitted on this machine's end-to-end runs, see
 :mod:`.validate`; ``h200-efa-qwen3-32b``, from the published numbers, see :mod:`.published`) or a JSON file with
@@ -23,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -38,7 +53,12 @@ PROFILE_NAMES = ("measured", "h200-efa-qwen3-32b")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The parts of a model config that set KV size and attention cost."""
+    """The parts of a model config that set KV size and attention cost.
+
+    ``mla``: multi-head latent attention (DeepSeek-V2/V3): one latent vector of ``head_dim`` (``kv_lora_rank +
+    qk_rope_head_dim``, 512 + 64 for DeepSeek-V3) per token and layer instead of K and V per KV head; it has no
+    heads to split, so vLLM replicates it on every TP rank (:attr:`tp_heads` 1, ``kv_heads`` ignored).
+    """
 
     layers: int
     kv_heads: int
@@ -46,10 +66,18 @@ class ModelShape:
     dtype_bytes: int
     q_heads: int = 0  # 0: unknown (attention_ratio 0)
     params: float = 0.0  # parameter count (for attention_ratio)
+    mla: bool = False
+
+    @property
+    def tp_heads(self) -> int:
+        """The heads tensor parallelism splits the KV by (1 for MLA: replicated on every rank)."""
+        return 1 if self.mla else self.kv_heads
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
+        """K and V of one token over all layers (MLA: the one latent vector per layer)."""
+        if self.mla:
+            return self.layers * self.head_dim * self.dtype_bytes
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @property
@@ -81,16 +109,23 @@ class CostProfile:
     decode_s_per_token: float
     prefill_cache_gib: float
     notes: str = ""
+    tp_size: int = 1  # TP ranks on prefill and on decode (see the module docstring)
+    kv_heads: int = 0  # the model's KV heads (1: MLA); 0: unknown, the KV splits evenly over the ranks
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ProfileError(f"profile field 'name': must be a non-empty string, got {self.name!r}")
-        if type(self.block_size) is not int or self.block_size < 1:
-            raise ProfileError(f"profile {self.name!r} field 'block_size': must be an int >= 1, "
-                               f"got {self.block_size!r}")
+        for name, low in (("block_size", 1), ("tp_size", 1), ("kv_heads", 0)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ProfileError(f"profile {self.name!r} field {name!r}: must be an int >= {low}, got {value!r}")
+        heads, tp = self.kv_heads, self.tp_size
+        if heads and heads % tp and tp % heads:  # vLLM's QKVParallelLinear divides one by the other
+            raise ProfileError(f"profile {self.name!r} field 'tp_size': {tp} ranks cannot split {heads} KV heads "
+                               "(vLLM needs kv_heads % tp_size == 0 or tp_size % kv_heads == 0)")
         positive = ("kv_bytes_per_token", "bandwidth_bytes_per_s", "prefill_tokens_per_s")
         for f in fields(self):
-            if f.name in ("name", "block_size", "notes"):
+            if f.name in ("name", "block_size", "notes", "tp_size", "kv_heads"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -111,28 +146,51 @@ class CostProfile:
         """Prefill compute time of ``new`` tokens after ``context`` (no fixed cost)."""
         return self.work(new, context) / self.prefill_tokens_per_s
 
+    @property
+    def rank_kv_bytes_per_token(self) -> float:
+        """KV bytes per token one TP rank holds: its ``max(1, kv_heads // tp_size)`` of the ``kv_heads`` heads
+        (``kv_heads`` 0: an even split, ``kv_bytes_per_token / tp_size``)."""
+        if self.kv_heads == 0:
+            return self.kv_bytes_per_token / self.tp_size
+        return self.kv_bytes_per_token * max(1, self.kv_heads // self.tp_size) / self.kv_heads
+
+    @property
+    def held_kv_bytes_per_token(self) -> float:
+        """KV bytes per token over all TP ranks, every replica counted (``kv_bytes_per_token`` unless ranks
+        outnumber the KV heads)."""
+        if self.kv_heads == 0:
+            return self.kv_bytes_per_token
+        return self.kv_bytes_per_token * (max(1, self.kv_heads // self.tp_size) * self.tp_size) / self.kv_heads
+
+    def rank_block_bytes(self, blocks: int) -> float:
+        """Bytes of ``blocks`` whole blocks on one TP rank (what one rank's read moves)."""
+        return blocks * self.block_size * self.rank_kv_bytes_per_token
+
     def block_bytes(self, blocks: int) -> float:
-        return blocks * self.block_size * self.kv_bytes_per_token
+        """Bytes of ``blocks`` whole blocks over all TP ranks (replicas counted): bytes moved, bytes retained."""
+        return blocks * self.block_size * self.held_kv_bytes_per_token
 
     def transfer_s(self, blocks: int) -> float:
-        """One reverse read of ``blocks`` whole blocks (0 blocks: no read, 0 s)."""
+        """One reverse read of ``blocks`` whole blocks (0 blocks: no read, 0 s): every rank reads its shard over
+        its own link at once, so overhead + one rank's bytes / the per-rank bandwidth."""
         if blocks <= 0:
             return 0.0
-        return self.transfer_overhead_s + self.block_bytes(blocks) / self.bandwidth_bytes_per_s
+        return self.transfer_overhead_s + self.rank_block_bytes(blocks) / self.bandwidth_bytes_per_s
 
     def decode_s(self, output_tokens: int) -> float:
         return self.decode_fixed_s + self.decode_s_per_token * output_tokens
 
     @property
     def prefill_cache_tokens(self) -> int:
-        """Whole blocks of KV the prefill's prefix cache holds, in tokens."""
-        blocks = int(self.prefill_cache_gib * GIB // (self.block_size * self.kv_bytes_per_token))
+        """Whole blocks of KV the prefill's prefix cache (``prefill_cache_gib`` over its ranks) holds, in tokens."""
+        blocks = int(self.prefill_cache_gib * GIB // self.block_bytes(1))
         return blocks * self.block_size
 
     def break_even_tokens(self, limit: int = 1 << 22) -> int | None:
         """The fewest reusable prefix tokens for which one reverse read is faster than recomputing them.
 
-        Both sides of the comparison: read ``ceil(n / B)`` blocks (overhead + bytes / bandwidth) vs compute the
+        Both sides of the comparison: read ``ceil(n / B)`` blocks (overhead + one rank's bytes / the per-rank
+        bandwidth, so a larger ``tp_size`` lowers it while the KV heads split further) vs compute the
         ``n`` prefix tokens (their linear work plus their attention among themselves); the suffix after them
         costs the same either way. None: recompute is never slower up to ``limit`` tokens.
         """
@@ -172,15 +230,17 @@ class CostProfile:
         if model is not None:  # a model shape instead of kv_bytes_per_token (and attention_ratio)
             if not isinstance(model, Mapping):
                 raise ProfileError(f"{source}: field 'model': must be an object with layers, kv_heads, head_dim, "
-                                   "dtype_bytes (q_heads, params optional)")
+                                   "dtype_bytes (q_heads, params, mla optional)")
             try:
                 shape = ModelShape(**model)
             except TypeError as exc:
                 raise ProfileError(f"{source}: field 'model': {exc}") from None
             values.setdefault("kv_bytes_per_token", shape.kv_bytes_per_token)
             values.setdefault("attention_ratio", shape.attention_ratio)
+            values.setdefault("kv_heads", shape.tp_heads)
         values.setdefault("name", Path(source).stem if source != "<profile>" else "custom")
-        missing = sorted(names - set(values) - {"notes"})
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = sorted(names - set(values) - optional)
         if missing:
             raise ProfileError(f"{source}: missing profile field(s) {missing}")
         return cls(**values)

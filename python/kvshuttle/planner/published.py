@@ -11,9 +11,13 @@ How the profile is derived (:func:`h200_profile`), and what is assumed:
 
 * KV: 256 KiB per token (64 layers x 8 KV heads x 128 x bf16 x K/V), 16-token blocks; attention ratio from the
   model config (:data:`~.profile.QWEN3_32B`).
-* Link: 50 GB/s (2 x 200 Gb/s EFA per GPU). The published transfer times match the whole KV at that rate
-  (24k tokens = 6.4 GB = 129 ms), so 50 GB/s is used for the whole model's KV, not per TP shard. The per-read
-  overhead is what the published transfer times leave after bytes / 50 GB/s at the two end points (mean).
+* TP8 (``tp_size`` 8, 8 KV heads: one head, 32 KiB per token, per rank; nothing replicated).
+* Link: the published transfer times match the whole KV at 50 GB/s (24k tokens = 6.4 GB = 129 ms; 50 GB/s is
+  one GPU's 2 x 200 Gb/s EFA), so the 8 ranks together moved 50 GB/s: the profile's per-rank bandwidth is
+  50 / 8 = 6.25 GB/s (each rank's 0.8 GB shard in the same 129 ms). That is what the published times imply,
+  not the per-GPU link rate; a read costs exactly what it did when this profile modelled one 50 GB/s link. The
+  per-read overhead is what the published transfer times leave after one rank's bytes / 6.25 GB/s at the two
+  end points (mean).
 * Prefill: fixed cost and throughput fitted so that the simulated *off* leg (every turn recomputed) averages
   exactly the two published off TTFTs over the same workload. The *on* leg is then a prediction.
 * Decode: 15 ms per output token (assumed, not published; it only moves whole-turn latency, equally in both
@@ -32,7 +36,9 @@ from .trace import Trace, uniform_trace
 PFX_POINTS = (2000, 4000, 8000, 12000, 16000, 20000, 24000)
 PUBLISHED_TTFT_S = {2000: (0.158, 0.122), 24000: (0.778, 0.460)}  # PFX: (off, on)
 PUBLISHED_TRANSFER_S = {2000: 0.030, 24000: 0.130}
-BANDWIDTH = 50e9
+TP_SIZE = 8
+BANDWIDTH = 50e9  # over all 8 ranks together (what the published transfer times imply)
+RANK_BANDWIDTH = BANDWIDTH / TP_SIZE  # the profile's bandwidth_bytes_per_s: per rank
 WORKLOAD = {"conversations": 10, "turns": 10, "new_tokens": 150, "output_tokens": 300}
 
 
@@ -49,10 +55,10 @@ def _blog_prompts(pfx: int) -> list[int]:
 
 
 def _mean_read_bytes(pfx: int) -> float:
-    """Mean bytes of one reverse read at ``pfx`` (turns 2..10 read the previous prompt + answer - 1, whole blocks)."""
+    """Mean bytes one rank reads at ``pfx`` (turns 2..10 read the previous prompt + answer - 1, whole blocks)."""
     prompts = _blog_prompts(pfx)
     reads = [-(-(p + WORKLOAD["output_tokens"] - 1) // 16) * 16 for p in prompts[:-1]]
-    return sum(reads) / len(reads) * QWEN3_32B.kv_bytes_per_token
+    return sum(reads) / len(reads) * QWEN3_32B.kv_bytes_per_token / TP_SIZE  # 8 heads over 8 ranks: 1 each
 
 
 @functools.lru_cache(maxsize=1)
@@ -66,15 +72,16 @@ def h200_profile() -> CostProfile:
         pairs = sum(p * p / 2.0 for p in prompts) / len(prompts)
         samples.append((lin, pairs, PUBLISHED_TTFT_S[pfx][0]))
     fixed, throughput, ratio = fit_prefill(samples, attention_ratio=ratio)
-    overheads = [PUBLISHED_TRANSFER_S[p] - _mean_read_bytes(p) / BANDWIDTH for p in (2000, 24000)]
+    overheads = [PUBLISHED_TRANSFER_S[p] - _mean_read_bytes(p) / RANK_BANDWIDTH for p in (2000, 24000)]
     overhead = max(sum(overheads) / len(overheads), 0.0)
     return CostProfile(
         name="h200-efa-qwen3-32b", kv_bytes_per_token=float(QWEN3_32B.kv_bytes_per_token), block_size=16,
-        bandwidth_bytes_per_s=BANDWIDTH, transfer_overhead_s=overhead, prefill_fixed_s=fixed,
+        bandwidth_bytes_per_s=RANK_BANDWIDTH, transfer_overhead_s=overhead, prefill_fixed_s=fixed,
         prefill_tokens_per_s=throughput, attention_ratio=ratio, decode_fixed_s=0.0, decode_s_per_token=0.015,
-        prefill_cache_gib=800.0,
+        prefill_cache_gib=800.0, tp_size=TP_SIZE, kv_heads=QWEN3_32B.kv_heads,
         notes="Qwen3-32B TP8 on p5en (H200) + EFA: prefill fitted to the vLLM blog's recompute TTFTs over its "
-              "sweep workload; 50 GB/s; overhead from its transfer times; decode 15 ms/token assumed")
+              "sweep workload (the whole TP8 engine); 6.25 GB/s per rank (50 GB/s over the 8 ranks, as its "
+              "transfer times imply); overhead from its transfer times; decode 15 ms/token assumed")
 
 
 def reproduce(profile: CostProfile | None = None) -> list[dict[str, Any]]:
@@ -121,7 +128,14 @@ def format_reproduction(rows: list[dict[str, Any]], profile: CostProfile) -> str
                      f"{pct(r['on_error']):>6} {ms(r['read_s']):>8} {ms(r.get('published_read_s')):>9}")
     lines.append(f"profile {profile.name}: prefill {profile.prefill_fixed_s * 1e3:.1f} ms + "
                  f"{profile.prefill_tokens_per_s:,.0f} tokens/s (attention ratio {profile.attention_ratio:.2e}), "
-                 f"{profile.bandwidth_bytes_per_s / 1e9:.0f} GB/s + {profile.transfer_overhead_s * 1e3:.1f} ms "
-                 "per read;"
+                 f"{_link(profile)} + {profile.transfer_overhead_s * 1e3:.1f} ms per read;"
                  " off fitted to the published off points, on predicted; means over 10 conversations x 10 turns")
     return "\n".join(lines)
+
+
+def _link(profile: CostProfile) -> str:
+    """The read bandwidth: one link, or TP ranks reading their shards at once (per rank and over all of them)."""
+    if profile.tp_size == 1:
+        return f"{profile.bandwidth_bytes_per_s / 1e9:.0f} GB/s"
+    return (f"TP{profile.tp_size}: {profile.bandwidth_bytes_per_s / 1e9:.2f} GB/s per rank "
+            f"({profile.bandwidth_bytes_per_s * profile.tp_size / 1e9:.0f} GB/s over the ranks)")

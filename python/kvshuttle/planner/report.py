@@ -1,12 +1,15 @@
 """A plan: every mode, TTL and threshold over one trace; the terminal tables, the JSON document and the plots.
 
 JSON document (``kvshuttle plan --json``): ``planner`` (schema version), ``command``, ``profile`` (every field of
-the cost profile), ``trace`` (a summary), ``assumptions`` (what the model takes as given), ``baselines``
+the cost profile, ``tp_size`` and ``kv_heads`` included), ``tensor_parallel`` (``tp_size``,
+``rank_kv_bytes_per_token``, ``held_kv_bytes_per_token``: the KV per token on one rank and over all ranks, replicas
+counted), ``trace`` (a summary), ``assumptions`` (what the model takes as given), ``baselines``
 (``cache_miss``, ``local_cache``: metrics), ``settings`` (one per TTL x threshold: ``ttl_s``, ``threshold``,
 ``reverse_read`` and ``reverse_read+local_cache`` metrics), ``break_even_tokens``. Metrics: ``ttft_s``,
 ``turn_s`` (TTFT + decode) and ``later_ttft_s`` (turns 2+) as ``mean``/``p50``/``p99``; ``hit_rate`` (turns 2+
 that read from decode), ``local_hit_rate``, ``tokens_recomputed``, ``tokens_fetched``, ``tokens_local``,
-``bytes_moved``, ``retained_peak_gib``, ``retained_gib_s``, ``reasons`` (policy decisions by reason).
+``bytes_moved``, ``retained_peak_gib``, ``retained_gib_s``, ``reasons`` (policy decisions by reason). Bytes and
+retained memory are over all the profile's TP ranks (every replica counted: decode's memory across its ranks).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ ASSUMPTIONS = (
     "local prefix cache: per prefill worker, LRU over whole blocks of the prompts it computed or read "
     "(never the answers, which decode generated); turns routed to a random worker",
     "reads never fail (a failed read would cost the read and a recompute)",
+    "tensor parallelism: prefill and decode both run tp_size ranks; each rank reads its KV-head shard over its own "
+    "link at once (bandwidth per rank); bytes read and held count every rank's copy; prefill and decode times are "
+    "the profile's whole-engine numbers at any tp_size",
 )
 
 
@@ -74,7 +80,10 @@ def run_plan(trace: Trace, profile: CostProfile, ttls: Sequence[float], threshol
             settings.append(entry)
     if bar is not None:
         bar.close()
-    doc = {"planner": SCHEMA, "command": command, "profile": profile.to_dict(), "trace": trace.summary(),
+    tp = {"tp_size": profile.tp_size, "rank_kv_bytes_per_token": profile.rank_kv_bytes_per_token,
+          "held_kv_bytes_per_token": profile.held_kv_bytes_per_token}
+    doc = {"planner": SCHEMA, "command": command, "profile": profile.to_dict(), "tensor_parallel": tp,
+           "trace": trace.summary(),
            "assumptions": list(ASSUMPTIONS), "options": options, "baselines": baselines, "settings": settings,
            "break_even_tokens": profile.break_even_tokens()}
     return doc, runs
@@ -99,7 +108,8 @@ def format_plan(doc: dict[str, Any]) -> str:
              f"{tr['prompt_tokens_mean']:.0f} tokens on average (max {tr['prompt_tokens_max']}), gaps p50 "
              f"{tr['gap_s_p50']} s (max {tr['gap_s_max']} s), {tr['edited_turns']} edited turns",
              f"profile {p['name']}: {p['kv_bytes_per_token'] / 1024:.0f} KiB/token, {p['block_size']}-token blocks, "
-             f"read {p['transfer_overhead_s'] * 1e3:.1f} ms + {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, prefill "
+             f"{_tp(doc)}read {p['transfer_overhead_s'] * 1e3:.1f} ms + {p['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
+             f"{' per rank' if p.get('tp_size', 1) > 1 else ''}, prefill "
              f"{p['prefill_fixed_s'] * 1e3:.1f} ms + {p['prefill_tokens_per_s']:,.0f} tokens/s, decode "
              f"{p['decode_s_per_token'] * 1e3:.0f} ms/token",
              "",
@@ -124,8 +134,18 @@ def format_plan(doc: dict[str, Any]) -> str:
                      f"costs {rr['retained_gib_s']:.0f} GiB-s of decode memory "
                      f"(peak {rr['retained_peak_gib']:.1f} GiB)")
     lines.append("TTFT mean/p50/p99 over all turns; turn = TTFT + decode (mean); hit = turns 2+ that read from decode; "
-                 "local = turns 2+ with a local prefix-cache hit; GiB-s = decode memory held for reuse x time")
+                 "local = turns 2+ with a local prefix-cache hit; GiB-s = decode memory held for reuse x time"
+                 + ("; GB read, peak GiB and GiB-s: summed over the TP ranks" if p.get("tp_size", 1) > 1 else ""))
     return "\n".join(lines)
+
+
+def _tp(doc: dict[str, Any]) -> str:
+    """The profile line's TP part (nothing at TP1): per-rank KV and what the ranks hold together."""
+    tp = doc.get("tensor_parallel") or {}
+    if tp.get("tp_size", 1) <= 1:
+        return ""
+    return (f"TP{tp['tp_size']} ({tp['rank_kv_bytes_per_token'] / 1024:.0f} KiB/token per rank, "
+            f"{tp['held_kv_bytes_per_token'] / 1024:.0f} KiB/token over the ranks), ")
 
 
 # --------------------------------------------------------------------------------------------------- cases

@@ -22,6 +22,9 @@ previous turn's answer ended, so faster turns bring the next ones forward. Per t
    notify-only message does), whichever comes first; a conversation's last handle until its TTL. One handle per
    conversation at a time: with decode's prefix cache on, a continuation's next handle shares the old one's
    blocks. The running requests' own KV is not counted. Without reverse reads nothing is retained.
+5. **Bytes** (``bytes_moved``, ``retained``): over all of the profile's ``tp_size`` ranks, every replica counted
+   (:meth:`.CostProfile.block_bytes`): what the reads move in total and what decode holds across its ranks. A
+   read's time is one rank's share (:meth:`.CostProfile.transfer_s`: the ranks read at once).
 
 Not modelled: batching several requests into one prefill step, decode contention, read failures (a failed read
 recomputes: that would cost a read *and* a recompute).
@@ -160,16 +163,17 @@ class ModeRun:
     local: list[int] = field(default_factory=list)
     fetched: list[int] = field(default_factory=list)
     recomputed: list[int] = field(default_factory=list)
-    bytes_moved: list[float] = field(default_factory=list)
+    bytes_moved: list[float] = field(default_factory=list)  # over all TP ranks
     reasons: Counter[str] = field(default_factory=Counter)
-    retained: list[tuple[float, float, float]] = field(default_factory=list)  # (start, stop, bytes)
+    retained: list[tuple[float, float, float]] = field(default_factory=list)  # (start, stop, bytes on all ranks)
     turn_keys: list[tuple[int, int]] = field(default_factory=list)  # (conversation, turn) per record
 
 
 def policy_config(threshold: Threshold, profile: CostProfile, expiry_margin_s: float) -> PolicyConfig:
-    """The policy the connector would run: vLLM's ``kv_recompute_threshold`` semantics, or the cost model."""
+    """The policy the connector would run: vLLM's ``kv_recompute_threshold`` semantics, or the cost model (with
+    one TP rank's bytes per token and its link's bandwidth: each rank's connector reads its own shard)."""
     if threshold == "cost":
-        return PolicyConfig(kind="cost", kv_bytes_per_token=profile.kv_bytes_per_token,
+        return PolicyConfig(kind="cost", kv_bytes_per_token=profile.rank_kv_bytes_per_token,
                             bandwidth_bytes_per_s=profile.bandwidth_bytes_per_s,
                             transfer_overhead_s=profile.transfer_overhead_s,
                             prefill_tokens_per_s=profile.prefill_tokens_per_s, expiry_margin_s=expiry_margin_s)
