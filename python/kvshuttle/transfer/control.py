@@ -13,6 +13,7 @@ never cause a connection. A dead or frozen decode fails fast with :class:`PeerUn
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import zmq
@@ -86,6 +87,25 @@ def ask_renewal(conn: Requester, handle: KVHandle, ttl_s: float | None, timeout_
     return dict(params) if isinstance(params, dict) else None
 
 
+def rank_addresses(handle: KVHandle) -> list[str]:
+    """Every owner rank's side channel (``tcp://host:port``; one for a single owner): each holds its own retention
+    of the handle, so renewals and releases go to all of them."""
+    return [f"tcp://{rank}" for rank in handle.ranks] or [f"tcp://{handle.host}:{handle.port}"]
+
+
+def renew_on_ranks(ranks: Sequence[Requester], handle: KVHandle, ttl_s: float | None, timeout_s: float,
+                   unknown_grace_s: float = 1.0) -> dict[str, Any] | None:
+    """:func:`ask_renewal` on every owner rank (``rank_addresses`` order): rank 0's refreshed params, or None
+    when any rank no longer holds the handle (a retention missing on one rank cannot be read any more)."""
+    renewed = [ask_renewal(rank, handle, ttl_s, timeout_s, unknown_grace_s) for rank in ranks]
+    return renewed[0] if all(params is not None for params in renewed) else None
+
+
+def release_on_ranks(ranks: Sequence[Requester], handle: KVHandle, timeout_s: float) -> bool:
+    """:func:`ask_release` on every owner rank (each is asked, whatever the others answer); True when any freed."""
+    return any([ask_release(rank, handle, timeout_s) for rank in ranks])
+
+
 def ask_release(conn: Requester, handle: KVHandle, timeout_s: float) -> bool:
     """Let the owner free ``handle``'s blocks now; False when there was nothing (left) to free.
 
@@ -109,24 +129,26 @@ def take_published(address: str, key: str, timeout_s: float = 2.0, poll_s: float
 
 def renew_retention(kv_transfer_params: Any, ttl_s: float | None = None, timeout_s: float = 2.0,
                     unknown_grace_s: float = 1.0, *, secret: DeploymentSecret | None = None) -> dict[str, Any] | None:
-    """:func:`ask_renewal` of the handle in ``kv_transfer_params`` (authenticated first: TransferArgumentError
+    """:func:`renew_on_ranks` of the handle in ``kv_transfer_params`` (authenticated first: TransferArgumentError
     for params that hold no handle of this deployment, before any connection)."""
     secret = secret or DeploymentSecret.resolve()
     handle = authenticated_handle(kv_transfer_params, secret)
-    conn = connect(f"tcp://{handle.host}:{handle.port}", secret)
+    conns = [connect(address, secret) for address in rank_addresses(handle)]
     try:
-        return ask_renewal(conn, handle, ttl_s, timeout_s, unknown_grace_s)
+        return renew_on_ranks(conns, handle, ttl_s, timeout_s, unknown_grace_s)
     finally:
-        conn.close()
+        for conn in conns:
+            conn.close()
 
 
 def release_retention(kv_transfer_params: Any, timeout_s: float = 2.0, *,
                       secret: DeploymentSecret | None = None) -> bool:
-    """:func:`ask_release` of the handle in ``kv_transfer_params`` (authenticated first, as for renewals)."""
+    """:func:`release_on_ranks` of the handle in ``kv_transfer_params`` (authenticated first, as for renewals)."""
     secret = secret or DeploymentSecret.resolve()
     handle = authenticated_handle(kv_transfer_params, secret)
-    conn = connect(f"tcp://{handle.host}:{handle.port}", secret)
+    conns = [connect(address, secret) for address in rank_addresses(handle)]
     try:
-        return ask_release(conn, handle, timeout_s)
+        return release_on_ranks(conns, handle, timeout_s)
     finally:
-        conn.close()
+        for conn in conns:
+            conn.close()

@@ -50,6 +50,9 @@ class ShuttleConfig:
     advertise_host: str | None = None  # kvshuttle_advertise_host: the address written into handles (default: host)
     port: int = 0  # kvshuttle_port: 0 picks a free port
     load_timeout_s: float = 10.0  # kvshuttle_load_timeout_s: from the scheduling decision to the end of the load
+    # kvshuttle_peer_timeout_s: an owner silent this long is lost (its reads recompute); raise it on hosts whose
+    # cores are oversubscribed, where a busy owner's heartbeats can be late
+    peer_timeout_s: float = 1.0
     max_concurrent_loads: int = 4  # kvshuttle_max_concurrent_loads: loads the worker runs at once
     digest_key: str = ""  # kvshuttle_digest_key: mixed into every block digest (default: the model)
     cost_model: Mapping[str, float] | None = None  # kvshuttle_cost_model: PolicyConfig cost inputs
@@ -82,7 +85,7 @@ class ShuttleConfig:
                  "kvshuttle_host", "kvshuttle_port", "kvshuttle_load_timeout_s", "kvshuttle_digest_key",
                  "kvshuttle_cost_model", "kvshuttle_retention_budget_fraction", "kvshuttle_retain",
                  "kvshuttle_max_ttl_s", "kvshuttle_advertise_host", "kvshuttle_max_concurrent_loads",
-                 "kvshuttle_secret_file", "kvshuttle_allowed_owners"}
+                 "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
@@ -116,6 +119,7 @@ class ShuttleConfig:
                 extra["kvshuttle_advertise_host"], "kvshuttle_advertise_host", wildcard=False),
             port=_int(extra, "kvshuttle_port", 0, minimum=0),
             load_timeout_s=_seconds(extra, "kvshuttle_load_timeout_s", 10.0),
+            peer_timeout_s=_seconds(extra, "kvshuttle_peer_timeout_s", 1.0),
             max_concurrent_loads=_int(extra, "kvshuttle_max_concurrent_loads", 4, minimum=1),
             digest_key=str(extra.get("kvshuttle_digest_key", model)),
             cost_model=None if cost is None else {str(k): float(v) for k, v in cost.items()},

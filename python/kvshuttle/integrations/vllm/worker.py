@@ -78,7 +78,8 @@ class ShuttleWorker:
         rank_port = c.port + self.tp_rank if c.port else 0  # kvshuttle_port is rank 0's; rank r: port + r
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
-                                                         transfer_timeout_s=c.load_timeout_s, secret=self.secret))
+                                                         transfer_timeout_s=c.load_timeout_s,
+                                                         peer_timeout_s=c.peer_timeout_s, secret=self.secret))
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         g = cache.geometry
