@@ -35,9 +35,11 @@ def test_fails_clearly_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_engine_pairs() -> None:
-    assert bench._pairs(list(bench.CONFIGS), "shared") == [("nixl", ["recompute", "nixl"]),
-                                                            ("kvshuttle", ["kvshuttle"])]
+    assert bench._pairs(list(bench.DEFAULT_CONFIGS), "shared") == [("nixl", ["recompute", "nixl"]),
+                                                                    ("kvshuttle", ["kvshuttle"])]
     assert bench._pairs(list(bench.CONFIGS), "own")[0] == ("recompute", ["recompute"])
+    assert bench._pairs(["kvshuttle", "kvshuttle_tp"], "shared") == [("kvshuttle", ["kvshuttle"]),
+                                                                     ("kvshuttle_tp", ["kvshuttle_tp"])]
     assert bench._pairs(["recompute"], "shared") == [("recompute", ["recompute"])]
     with pytest.raises(SystemExit, match="subset"):
         bench._parse_list("nixl,bogus", bench.CONFIGS, "configs")
@@ -85,3 +87,43 @@ def test_rows_summary_and_table_from_synthetic_turns() -> None:
     assert "kvshuttle/nixl   512 turn 2: TTFT 1.025x" in table
     assert "target (<= 1.05x where reuse is equal): met" in table
     assert "error: RuntimeError: turn 2" in table and "2/3" in table
+
+
+def test_tp_pair_sizes_and_rank_reads(tmp_path: Any) -> None:
+    args = _args("--configs", "kvshuttle,kvshuttle_tp", "--tp", "1,2")
+    assert bench._tp_sizes(args.tp) == (1, 2)
+    for bad in ("2", "0,1", "a,b"):
+        with pytest.raises(SystemExit, match="--tp"):
+            bench._tp_sizes(bad)
+    prefill, decode = bench._pair("kvshuttle_tp", args, "/model", tmp_path)
+    assert "tensor_parallel_size" not in prefill.spec.llm_kwargs
+    assert decode.spec.llm_kwargs == {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    assert bench._pair("kvshuttle", args, "/model", tmp_path)[1].spec.llm_kwargs == {}
+    log = tmp_path / "decode.log"
+    log.write_text(
+        "(Worker_TP0 pid=7) INFO 12-01 [worker.py:256] kvshuttle: request 2-a read 527 tokens (8.5 MiB, "
+        "12 descriptors, packed path) in 160.0 ms\n"
+        "(Worker_TP1 pid=8) INFO 12-01 [worker.py:256] kvshuttle: request 2-a read 527 tokens (8.5 MiB, "
+        "12 descriptors, direct+packed path) in 170.0 ms\n"
+        "(Worker_TP1 pid=8) INFO 12-01 [worker.py:256] kvshuttle: request 3-b read 79 tokens (1.5 MiB, "
+        "4 descriptors, packed path) in 30.0 ms\n"
+        "(Worker_TP1 pid=8) INFO kvshuttle: request 4-c recomputes, because peer_lost: gone\n")
+    ranks = bench.reads_by_rank(log)
+    assert ranks["0"] == {"reads": 1, "mib": 8.5, "descriptors_per_read": 12, "mib_per_descriptor": round(8.5 / 12, 4),
+                          "mean_ms": 160.0}
+    assert ranks["1"]["reads"] == 2 and ranks["1"]["mib"] == 10.0 and ranks["1"]["descriptors_per_read"] == 8
+    one = tmp_path / "tp1.log"
+    one.write_text("(Worker pid=9) INFO kvshuttle: request 1-x read 511 tokens (16.0 MiB, 1 descriptors, direct path)"
+                   " in 300.0 ms\n")
+    assert list(bench.reads_by_rank(one)) == ["0"] and bench.reads_by_rank(tmp_path / "missing.log") == {}
+    out = bench._Collector()
+    out.add("kvshuttle", "main", 512, [_turn(1, 1.0, 0, read=0), _turn(2, 0.2, 527, read=527)])
+    out.add("kvshuttle_tp", "main", 512, [_turn(1, 1.5, 0, read=0), _turn(2, 0.3, 527, read=527)])
+    results = bench._rows(out, list(bench.CONFIGS))
+    summary = bench._summary(results, {})
+    tp2 = next(r for r in results if r["config"] == "kvshuttle_tp" and r["turn"] == 2)
+    assert tp2["ttft_over_tp1"] == 1.5
+    summary["reads_by_rank"] = {"kvshuttle_tp": {"decode": ranks}}
+    table = bench.format_table({"results": results, "summary": summary, "note": "synthetic"})
+    assert "kvshuttle_tp/kvshuttle main   512 turn 2: TTFT 1.500x" in table
+    assert "kvshuttle_tp decode rank 1: 2 reads, 10.0 MiB, 8 descriptors per read" in table

@@ -9,7 +9,11 @@ to core 1:
   (``--recompute-engines shared``: one start-up fewer); ``own`` starts a NixlConnector pair without
   ``bidirectional_kv_xfer`` for it;
 * ``nixl``: vLLM's ``NixlConnector`` with ``bidirectional_kv_xfer`` (turns 2+ read the history back from decode);
-* ``kvshuttle``: ``KVShuttleConnector`` (``kvshuttle.integrations.vllm``) with ``bidirectional_kv_xfer``.
+* ``kvshuttle``: ``KVShuttleConnector`` (``kvshuttle.integrations.vllm``) with ``bidirectional_kv_xfer``;
+* ``kvshuttle_tp`` (opt-in): the same at the tensor-parallel sizes of ``--tp P,D`` (default ``2,1``: prefill
+  at TP=2, decode at TP=1; an engine's ranks share its core). Its rows carry the ratio of their TTFT to the
+  ``kvshuttle`` row's when both ran, and the summary each rank's reads (count, bytes, descriptors, mean time:
+  every rank reads only its heads), from the engines' logs.
 
 Engines start once per pair; repetitions use different seeds. Per first-turn length and turn: prefill TTFT
 (vLLM's first-token latency of the 1-token prefill request), decode latency (submission to the last of
@@ -41,6 +45,7 @@ import argparse
 import copy
 import importlib.util
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -52,7 +57,8 @@ from ..schema import envelope
 from .conversation import ConversationPlan, Turn, decode_params_for, prefill_params_for, run_pd_conversation
 from .engines import VllmEngine, nixl_transfer_config, pd_pair, shuttle_transfer_config, start_all
 
-CONFIGS = ("recompute", "nixl", "kvshuttle")
+CONFIGS = ("recompute", "nixl", "kvshuttle", "kvshuttle_tp")
+DEFAULT_CONFIGS = CONFIGS[:3]
 CASES = ("main", "edited", "short", "retried", "renewed", "expired")
 TIMES = ("prefill_ttft", "decode_ttft", "decode", "turn")
 SHORT = {"first_tokens": 24, "next_tokens": 8}  # histories of 39 and 63 tokens: below a 64-token threshold
@@ -62,7 +68,8 @@ Refs = dict[tuple[tuple[int, ...], int], dict[str, Any]]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="512,1024,2048", help="first-turn prompt tokens, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="repetitions (seeds) per length; medians reported")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="subset of recompute,nixl,kvshuttle")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="subset of " + ",".join(CONFIGS))
+    parser.add_argument("--tp", default="2,1", help="prefill,decode tensor-parallel sizes of kvshuttle_tp")
     parser.add_argument("--cases", default=",".join(CASES), help="subset of " + ",".join(CASES))
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--next-tokens", type=int, default=64, help="new user tokens per later turn")
@@ -84,10 +91,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tuple[VllmEngine, VllmEngine]:
     """The engine pair of one configuration, not started."""
     extra = {"kv_recompute_threshold": args.threshold, "decoder_kv_blocks_ttl": args.ttl}
-    config = (shuttle_transfer_config(**extra) if kind == "kvshuttle"
-              else nixl_transfer_config(bidirectional=kind == "nixl", **extra))
+    ours = kind.startswith("kvshuttle")
+    if kind == "kvshuttle_tp":  # an engine's ranks share one core: a busy owner's heartbeats can be late
+        extra["kvshuttle_peer_timeout_s"] = 5.0
+    config = shuttle_transfer_config(**extra) if ours else nixl_transfer_config(bidirectional=kind == "nixl", **extra)
+    prefill_tp, decode_tp = _tp_sizes(args.tp) if kind == "kvshuttle_tp" else (1, 1)
     return pd_pair(model, config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens,
-                   decode_block_size=args.decode_block_size)
+                   decode_block_size=args.decode_block_size, prefill_tp=prefill_tp, decode_tp=decode_tp)
+
+
+def _tp_sizes(value: str) -> tuple[int, int]:
+    try:
+        prefill_tp, decode_tp = (int(x) for x in str(value).split(","))
+    except ValueError:
+        raise SystemExit(f"kvshuttle bench e2e: --tp takes PREFILL,DECODE sizes, e.g. 2,1; got {value!r}") from None
+    if prefill_tp < 1 or decode_tp < 1:
+        raise SystemExit(f"kvshuttle bench e2e: --tp sizes must be >= 1, got {value!r}")
+    return prefill_tp, decode_tp
 
 
 def _drain_and_reset(decode: VllmEngine, ttl: float) -> bool:
@@ -194,7 +214,7 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
     if "retried" in cases:
         for rep in range(args.reps):
             _retried(config, prefill, decode, args, min(lengths), rep, refs, out)
-    if "renewed" in cases and config == "kvshuttle":  # vLLM's connector cannot renew: its row is "expired"
+    if "renewed" in cases and config.startswith("kvshuttle"):  # vLLM's connector cannot renew: its row is "expired"
         _expired(config, prefill, decode, args, min(lengths), refs, out, renew=True)
     if "expired" in cases:  # last: the engine may not survive it
         _expired(config, prefill, decode, args, min(lengths), refs, out)
@@ -282,8 +302,9 @@ def _pairs(configs: list[str], recompute_engines: str) -> list[tuple[str, list[s
         pairs.append(("recompute", ["recompute"]))
     if "nixl" in configs:
         pairs.append(("nixl", ["recompute", "nixl"] if shared else ["nixl"]))
-    if "kvshuttle" in configs:
-        pairs.append(("kvshuttle", ["kvshuttle"]))
+    for ours in ("kvshuttle", "kvshuttle_tp"):
+        if ours in configs:
+            pairs.append((ours, [ours]))
     return pairs
 
 
@@ -312,6 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refs: Refs = {}
     out = _Collector()
     startup: dict[str, float] = {}
+    ranks: dict[str, Any] = {}
     for kind, served in _pairs(configs, args.recompute_engines):
         prefill, decode = _pair(kind, args, model, log_dir)
         try:
@@ -325,13 +347,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             prefill.close()
             decode.close()
+        if kind.startswith("kvshuttle"):
+            ranks[kind] = {role: reads_by_rank(Path(e.spec.log_path or "")) for role, e in
+                           (("prefill", prefill), ("decode", decode))}
     results = _rows(out, configs)
     note = (f"medians of {args.reps} seeds per row (expired, renewed: 1); times from vLLM's request metrics: "
             "prefill TTFT = first-token latency of the 1-token prefill request; decode = its request's wall time; "
             "turn = both; reused = prefill's num_cached_tokens; match = decode's tokens equal a local recompute; "
             f"recompute on {args.recompute_engines} engines; prefill on core 0, decode on core 1")
-    return envelope("e2e", args, add_arguments, results, note=note, started=started,
-                    summary=_summary(results, startup))
+    summary = _summary(results, startup)
+    summary["reads_by_rank"] = ranks
+    return envelope("e2e", args, add_arguments, results, note=note, started=started, summary=summary)
 
 
 def _rows(out: _Collector, configs: list[str]) -> list[dict[str, Any]]:
@@ -389,6 +415,10 @@ def _summary(rows: list[dict[str, Any]], startup: dict[str, float]) -> dict[str,
                     ratio = rc["seconds"]["prefill_ttft"] / p["seconds"]["prefill_ttft"]
                     entry[f"{peer}_ttft_speedup"] = round(ratio, 2)
             speedups.append(entry)
+    for (config, case, first, turn), tp in by.items():  # a TP row against the same row at TP=1
+        one = by.get(("kvshuttle", case, first, turn))
+        if config == "kvshuttle_tp" and one is not None:
+            tp["ttft_over_tp1"] = round(tp["seconds"]["prefill_ttft"] / one["seconds"]["prefill_ttft"], 3)
     worst_ttft = max((r["ttft"] for r in ratios), default=None)
     worst_turn = max((r["turn_latency"] for r in ratios), default=None)
     return {
@@ -399,6 +429,22 @@ def _summary(rows: list[dict[str, Any]], startup: dict[str, float]) -> dict[str,
         "reverse_read_speedup": speedups, "engine_startup_s": startup,
         "all_main_match_local": all(r.get("matches_local", False) for r in rows if r["case"] == "main"),
     }
+
+
+_READ_LINE = re.compile(r"\((Worker(?:_TP(\d+))?) pid=\d+\).*kvshuttle: request \S+ read (\d+) tokens "
+                        r"\(([\d.]+) MiB, (\d+) descriptors, ([\w+]+) path\) in ([\d.]+) ms")
+
+
+def reads_by_rank(log_path: Path) -> dict[str, dict[str, Any]]:
+    """Per tensor-parallel rank of one engine, from its log: reads, MiB, descriptors (per read), mean ms."""
+    ranks: dict[str, list[tuple[float, int, float]]] = {}
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    for m in _READ_LINE.finditer(text):
+        ranks.setdefault(m.group(2) or "0", []).append((float(m.group(4)), int(m.group(5)), float(m.group(7))))
+    return {rank: {"reads": len(v), "mib": round(sum(x[0] for x in v), 2),
+                   "descriptors_per_read": round(statistics.mean(x[1] for x in v), 1),
+                   "mib_per_descriptor": round(sum(x[0] for x in v) / max(1, sum(x[1] for x in v)), 4),
+                   "mean_ms": round(statistics.mean(x[2] for x in v), 1)} for rank, v in sorted(ranks.items())}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -424,6 +470,15 @@ def format_table(result: dict[str, Any]) -> str:
     if summary.get("target_met") is not None:
         lines.append(f"target (<= 1.05x where reuse is equal): {'met' if summary['target_met'] else 'NOT met'}; "
                      f"worst TTFT {summary['worst_ttft_ratio']}x, worst turn {summary['worst_turn_ratio']}x")
+    for r in result["results"]:
+        if "ttft_over_tp1" in r:
+            lines.append(f"kvshuttle_tp/kvshuttle {r['case']} {r['first_tokens']:>5} turn {r['turn']}: TTFT "
+                         f"{r['ttft_over_tp1']:.3f}x")
+    for kind, roles in (summary.get("reads_by_rank") or {}).items():
+        for role, ranks in roles.items():
+            for rank, x in ranks.items():
+                lines.append(f"{kind} {role} rank {rank}: {x['reads']} reads, {x['mib']} MiB, "
+                             f"{x['descriptors_per_read']} descriptors per read, {x['mean_ms']} ms mean")
     lines.append(f"engine start-up s: {summary.get('engine_startup_s')}; {result['note']}")
     return "\n".join(lines)
 

@@ -254,8 +254,9 @@ class ShuttleWorker:
             result = self._failure(job, Failure.TRANSFER_FAILED, repr(exc))
         if result.action == "fetched":
             telemetry = result.telemetry
-            log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %s path) in %.1f ms", job.request_id,
-                     result.fetched_tokens, result.bytes / 2**20, telemetry.path if telemetry else "-",
+            log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %d descriptors, %s path) in %.1f ms",
+                     job.request_id, result.fetched_tokens, result.bytes / 2**20,
+                     telemetry.descriptors if telemetry else 0, telemetry.path if telemetry else "-",
                      result.total_s * 1e3)
         else:
             log.info("kvshuttle: request %s recomputes, because %s: %s", job.request_id, result.reason, result.message)
