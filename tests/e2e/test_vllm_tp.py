@@ -8,9 +8,10 @@ directions (decode reads prefill's prompt, prefill reads decode's conversation b
 * turns 2-3 reuse both ways, and every answer equals one engine running the same prompts locally;
 * the handles name every owner rank (``tp_size``, ``kvshuttle_ranks``);
 * an edited history reuses exactly its verified blocks;
-* retention is freed on every rank: after the decode's handles are released (through rank 0's side channel
-  only), both engines' free block counts are back where they started (vLLM frees a block only when every rank
-  reported it, so a rank that kept it would show);
+* retention is freed on every rank: after the decode's handles are released through rank 0's side channel
+  only (the scheduler tells the other ranks), both engines' free block counts are back where they started
+  (vLLM frees a block only when every rank reported it, so a rank that kept it would show; the prefill's
+  use-once prompt handles were consumed by the decode's reads on every rank);
 * a decode rank killed with SIGKILL between turns: the next turn's prefill recomputes (no wait for KV) and the
   request still succeeds, its answer equal to the local one.
 
@@ -49,6 +50,21 @@ def worker_pid(engine: Any, rank: int, tp_size: int) -> int:
     raise AssertionError(f"no {name} process among {engine.pids()}")
 
 
+def rank0_release(params: dict[str, Any]) -> bool:
+    """Release a handle on owner rank 0 alone (``release_retention`` asks every rank): the other ranks must end
+    it too, told by their scheduler."""
+    from kvshuttle.transfer.control import ask_release, authenticated_handle, connect
+    from kvshuttle.trust import DeploymentSecret
+
+    secret = DeploymentSecret.resolve()
+    handle = authenticated_handle(params, secret)
+    conn = connect(f"tcp://{handle.host}:{handle.port}", secret)
+    try:
+        return ask_release(conn, handle, 5.0)
+    finally:
+        conn.close()
+
+
 def wait_for(engine: Any, usage: float, timeout_s: float) -> dict[str, Any]:
     """Poll ``engine``'s gauges (each poll one engine step) until its usage is back to ``usage``."""
     deadline = time.monotonic() + timeout_s
@@ -72,7 +88,6 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
         run_pd_conversation,
     )
     from kvshuttle.bench.e2e.engines import pd_pair, shuttle_transfer_config, start_all
-    from kvshuttle.transfer import release_retention
 
     # an engine's two ranks share one core here: a busy owner's heartbeats can be late, a killed one is seen at once
     config = shuttle_transfer_config(kvshuttle_peer_timeout_s=5.0)
@@ -93,7 +108,7 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
         # Retention freed on every rank: release every decode handle through rank 0's side channel alone
         handles = [t.decode["kv_transfer_params"] for t in turns] + [edited_dec["kv_transfer_params"]]
         seen["held"] = decode.kv_usage()
-        seen["released"] = [release_retention(h) for h in handles]
+        seen["released"] = [rank0_release(h) for h in handles]
         seen["after_release"] = (wait_for(prefill, seen["start"][0]["kv_cache_usage_perc"], 30),
                                  wait_for(decode, seen["start"][1]["kv_cache_usage_perc"], 30))
         # A fresh turn, then a decode rank killed before the next one
