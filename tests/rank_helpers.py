@@ -3,7 +3,8 @@
 Every owner rank runs in a fresh interpreter (multiprocessing "spawn") and serves its head shard of one global
 random cache (built from a seed, so the test regenerates the bytes instead of shipping them) through its own
 TransferEngine, with its own RetentionLedger as the claim authority. It answers commands over a pipe (retain,
-release, metrics). Every wait has a timeout and the process is killed in ``close()`` whatever happens.
+release, metrics; a retain may ask for a use-once handle in the rank's multi-read ledger). Every wait has a
+timeout and the process is killed in ``close()`` whatever happens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy.typing as npt
 from transfer_helpers import PipedProcess
 
 SECRET_BYTES = b"kvshuttle-tensor-parallel-rank-tests-secret-0001"
-STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 180  # 9 owner-rank processes start at once: slow on 2 loaded cores
 POISON = 0xA5A5
 
 Layers = list[npt.NDArray[np.uint16]]
@@ -78,7 +79,7 @@ def _rank_main(conn: Any, model: Model, tp_size: int, rank: int) -> None:
             if command == "retain":
                 handle = ledger.retain(args["request_id"], args["block_ids"], args["digests"], args["num_tokens"],
                                        model.block_size, tp_size, ttl_s=300.0, handle_id=args["handle_id"],
-                                       generation=0)
+                                       generation=0, mode=args.get("mode"))
                 conn.send(("retain", handle.handle_id))
             elif command == "release":
                 conn.send(("release", ledger.release(args["handle_id"])))

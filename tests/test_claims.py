@@ -13,7 +13,7 @@ pytest.importorskip("nixl._api")
 from kvshuttle import PagedKVCache
 from kvshuttle.policy import KVHandle, block_digests
 from kvshuttle.retention import RetentionLedger
-from kvshuttle.transfer import ClaimRefusedError, EngineConfig, TransferEngine
+from kvshuttle.transfer import ClaimRefusedError, EngineConfig, TransferArgumentError, TransferEngine
 
 SHAPE = (2, 64, 16, 2, 32)  # FlashAttention [2, N, B, H, D]
 
@@ -66,6 +66,36 @@ def test_use_once_handle_is_consumed_by_the_first_read(pair: dict[str, Any]) -> 
         reader.claim(peer, handle)
     assert refused.value.reason in ("HandleConsumedError", "UnknownHandleError", "HandleReleasedError")
     assert sorted(pair["freed"]) == sorted(handle.block_ids)
+
+
+@pytest.mark.parametrize("pair", ["use_once"], indirect=True)
+def test_use_once_handle_waits_for_every_expected_reader(pair: dict[str, Any]) -> None:
+    """Two reader ranks (here one engine claiming twice) expect to read the same owner rank: both claims are
+    granted, a third is refused, and the handle is consumed only by the second completed read."""
+    reader, peer, handle = pair["reader"], pair["peer"], pair["handle"]
+    first, second = reader.claim(peer, handle, readers=2), reader.claim(peer, handle, readers=2)
+    with pytest.raises(ClaimRefusedError) as refused:
+        reader.claim(peer, handle, readers=2)
+    assert refused.value.reason == "HandleInUseError"
+    with pytest.raises(ClaimRefusedError) as tampered:
+        reader.claim(peer, handle)  # a reader that expects to be alone
+    assert tampered.value.reason == "TamperedHandleError" and "readers=1 presented, 2" in str(tampered.value)
+    reader.read(peer, [0, 1], list(first.block_ids[:2]), claim=first).wait(10)
+    reader.finish_claim(peer, first, ok=True)
+    assert pair["freed"] == [] and pair["ledger"].get(handle.handle_id) is not None
+    reader.finish_claim(peer, second, ok=True)
+    assert sorted(pair["freed"]) == sorted(handle.block_ids)
+    with pytest.raises(ClaimRefusedError) as consumed:
+        reader.claim(peer, handle, readers=2)
+    assert consumed.value.reason == "HandleConsumedError"
+
+
+@pytest.mark.parametrize("readers", [0, 65, -1, True, "2", 2.0, None])
+def test_bad_readers_are_refused_before_anything_is_sent(pair: dict[str, Any], readers: Any) -> None:
+    before = pair["ledger"].metrics()
+    with pytest.raises(TransferArgumentError, match=r"readers must be an integer in 1\.\.64"):
+        pair["reader"].claim(pair["peer"], pair["handle"], readers=readers)
+    assert pair["ledger"].metrics() == before
 
 
 @pytest.mark.parametrize("change", ["generation", "block_ids", "digests", "handle_id"])

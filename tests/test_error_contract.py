@@ -307,8 +307,8 @@ def _ledger_call(ledger: RetentionLedger, handle: KVHandle, claim_id: str, call:
             kwargs["ttl_s"] = value
     elif call == "claim":
         args = [handle.handle_id, handle.generation, list(handle.block_ids), list(handle.digests)]
-        if position % 5 == 4:
-            kwargs["reader"] = value
+        if position % 6 in (4, 5):
+            kwargs["reader" if position % 6 == 4 else "readers"] = value
     elif call == "renew":
         args = [handle.handle_id, 60.0]
     elif call in ("complete", "abort"):

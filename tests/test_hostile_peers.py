@@ -253,6 +253,9 @@ def test_a_peer_cannot_hold_more_than_its_share(owner: dict[str, Any]) -> None:
     {"op": "claim", "handle_id": 7, "generation": 0, "block_ids": [5], "digests": [b"x"]},
     {"op": "claim", "handle_id": "h", "generation": "0", "block_ids": [5], "digests": [b"x"]},
     {"op": "claim", "handle_id": "h", "generation": 0, "block_ids": [1] * 140_000, "digests": []},
+    {"op": "claim", "handle_id": "h", "generation": 0, "block_ids": [5], "digests": [b"x"], "readers": True},
+    {"op": "claim", "handle_id": "h", "generation": 0, "block_ids": [5], "digests": [b"x"], "readers": 65},
+    {"op": "claim", "handle_id": "h", "generation": 0, "block_ids": [5], "digests": [b"x"], "readers": "2"},
     {"op": "claim_done", "claim_id": "c", "ok": "yes"},
     {"op": "renew_retention", "handle_id": "h", "ttl_s": "forever"},
     {"op": "renew_retention", "handle_id": "h", "ttl_s": float("inf")},
@@ -273,6 +276,8 @@ def test_malformed_ops_get_a_named_refusal(owner: dict[str, Any], message: dict[
         assert reply is not None and reply["op"] in ("refused", "error"), reply
     if message["op"] == "hello":
         assert reply["kind"] == "protocol_version" and "same kvshuttle version" in reply["message"]
+    if "readers" in message:  # refused for the field, before the ledger looks the handle up
+        assert reply["reason"] == "MalformedClaim" and "'readers'" in reply["message"], reply
     legit_read_intact(owner)
 
 

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 import kvshuttle as ks
-from kvshuttle.core.ranks import RankMappingError, owner_ranks_of, plan_rank_reads, rank_heads, split_problem
+from kvshuttle.core.ranks import (
+    RankMappingError,
+    owner_ranks_of,
+    plan_rank_reads,
+    rank_heads,
+    readers_of,
+    split_problem,
+)
 
 SIZES = (1, 2, 4, 8)
 BLOCKS, BLOCK, HEAD = 6, 16, 8
@@ -77,3 +84,53 @@ def test_slices_coalesce_heads_of_one_owner_rank() -> None:
         (0, 0, 0, 4), (1, 0, 4, 4)]
     assert [(s.owner_rank, s.owner_head_offset, s.reader_head_offset, s.num_heads)
             for s in plan_rank_reads(8, 4, 3, 2)] == [(1, 2, 0, 2)]
+
+
+# --------------------------------------------------------------------------- readers of one owner rank
+@pytest.mark.parametrize(("kv_heads", "reader_tp", "owner_tp", "want"), [
+    (4, 1, 2, [1, 1]),  # TP1 reader of a TP2 owner: its one rank reads both owner ranks
+    (4, 2, 1, [2]),  # TP2 reader of a TP1 owner: both reader ranks read owner rank 0
+    (4, 4, 1, [4]),
+    (4, 2, 2, [1, 1]),  # direct pairing
+    (4, 4, 2, [2, 2]),
+    (2, 2, 4, [1, 0, 0, 1]),  # GQA, 2 heads replicated on 4 owner ranks: reader ranks 0, 1 read owner ranks 0, 3
+    (2, 1, 4, [1, 0, 1, 0]),  # one reader rank reads head 0 from owner rank 0 and head 1 from owner rank 2
+    (2, 4, 4, [1, 1, 1, 1]),  # the replicas share the load
+    (2, 8, 4, [2, 2, 2, 2]),
+    (2, 4, 2, [2, 2]),  # replicated on the reader's side: two reader ranks hold each head
+    (1, 4, 1, [4]),  # MLA: one latent, replicated everywhere
+    (1, 2, 4, [1, 1, 0, 0]),
+])
+def test_readers_of_counts_the_reader_ranks_of_each_owner_rank(kv_heads: int, reader_tp: int, owner_tp: int,
+                                                                want: list[int]) -> None:
+    assert [readers_of(kv_heads, reader_tp, owner_tp, r) for r in range(owner_tp)] == want
+
+
+@pytest.mark.parametrize(("kv_heads", "reader_tp", "owner_tp"),
+                         [c for c in itertools.product((1, 2, 4, 8), (*SIZES, 16), (*SIZES, 16))
+                          if split_problem(c[0], c[1]) is None and split_problem(c[0], c[2]) is None])
+def test_readers_of_agrees_with_every_reader_ranks_plan(kv_heads: int, reader_tp: int, owner_tp: int) -> None:
+    """Brute force: the reader ranks whose planned reads touch an owner rank, counted from the plans themselves."""
+    plans = [plan_rank_reads(kv_heads, reader_tp, r, owner_tp) for r in range(reader_tp)]
+    counts = [readers_of(kv_heads, reader_tp, owner_tp, o) for o in range(owner_tp)]
+    for owner in range(owner_tp):
+        assert counts[owner] == sum(1 for plan in plans if owner in {s.owner_rank for s in plan})
+    assert sum(counts) == sum(len({s.owner_rank for s in plan}) for plan in plans)  # one claim per rank pair
+    assert max(counts) >= 1
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ((4, 2, 2, 2), "rank 2 is outside 0..1"),
+    ((4, 2, 2, -1), "rank -1"),
+    ((4, 2, 2, True), "rank True"),
+    ((4, 2, 2, 1.0), "rank 1.0"),
+    ((4, 3, 2, 0), "reader: TP=3 does not split"),
+    ((4, 2, 3, 0), "owner: TP=3 does not split"),
+    ((0, 1, 1, 0), "KV heads"),
+    ((4, 0, 1, 0), "TP size"),
+    ((4, "2", 1, 0), "TP size"),
+    ((4, 1, None, 0), "TP size"),
+])
+def test_readers_of_refuses_bad_input_with_the_reason(args: tuple[object, ...], match: str) -> None:
+    with pytest.raises(RankMappingError, match=match):
+        readers_of(*args)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -194,7 +195,7 @@ def readers() -> Iterator[dict[tuple[int, int], list[ReaderRank]]]:
 class Turn:
     """One retained turn: the same handle retained on every owner rank, signed and on the wire."""
 
-    def __init__(self, group: list[OwnerRank], seed: int) -> None:
+    def __init__(self, group: list[OwnerRank], seed: int, mode: str | None = None) -> None:
         model = group[0].model
         rng = np.random.default_rng(seed)
         self.tokens = [int(t) for t in rng.integers(1, 32_000, size=4 * model.block_size)]
@@ -204,7 +205,7 @@ class Turn:
         handle_id = secrets.token_urlsafe(18)
         for owner in group:
             owner.call("retain", request_id=f"req-{seed}", block_ids=list(self.remote_ids), digests=list(digests),
-                       num_tokens=len(self.tokens), handle_id=handle_id)
+                       num_tokens=len(self.tokens), handle_id=handle_id, mode=mode)
         host, port = group[0].address.rsplit(":", 1)
         now = time.time()
         ranks = tuple(o.address for o in group) if len(group) > 1 else ()
@@ -264,6 +265,73 @@ def test_reader_ranks_read_their_heads_byte_for_byte(owners: list[list[OwnerRank
         shard_bytes = 4 * B * 2 * len(reader.heads) * reader.model.head_size * 2 * reader.model.layers
         assert result.bytes == shard_bytes, result.telemetry  # its own heads, each once
         assert (result.telemetry is not None and result.telemetry.reason.startswith("2 head slices")) == (count == 2)
+    no_open_claims(group)
+
+
+def handle_state(group: list[OwnerRank]) -> list[tuple[int, int, int]]:
+    """Per owner rank: (live handles, consumed, hits)."""
+    return [(m["live_handles"], m["consumed"], m["hits"]) for m in (o.call("metrics") for o in group)]
+
+
+def test_use_once_at_owner_tp1_waits_for_both_reader_ranks_of_tp2(
+        owners: list[list[OwnerRank]], readers: dict[tuple[int, int], list[ReaderRank]]) -> None:
+    """Both reader ranks of a TP=2 reader read owner rank 0 of a TP=1 owner, at the same time: each claim says 2
+    readers, so the use-once handle takes both and is consumed after the second completed read, not the first."""
+    group, pair = owners[0], readers[(4, 2)]
+    turn = Turn(group, seed=401, mode="use_once")
+    (live, consumed, hits), = handle_state(group)  # after the retain (it may supersede older turns' handles)
+    tables = [turn.rng.permutation(turn.model.num_blocks)[:5].astype(np.int64) for _ in pair]
+    results: list[Any] = [None, None]
+
+    def read(k: int) -> None:
+        results[k] = pair[k].reader.read(turn.params, turn.prompt, local_hit_tokens=0, local_block_ids=tables[k])
+
+    for rank in pair:
+        rank.poison()
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for rank, result, table in zip(pair, results, tables, strict=True):
+        assert result is not None and result.action == "fetched", getattr(result, "message", "no result")
+        holds_its_slice(rank, table, turn.remote_ids)
+    assert handle_state(group) == [(live - 1, consumed + 1, hits + 2)]  # consumed once, by two completed reads
+    no_open_claims(group)
+    again, table = turn.read(pair[0])
+    assert (again.action, again.reason) == ("recompute", "claim_refused"), again.message
+    assert again.owner_reason == "HandleConsumedError" and again.invalid_block_ids == tuple(table[:4].tolist())
+    assert untouched(pair[0])
+
+
+def test_use_once_at_owner_tp1_stays_for_the_second_reader_rank(
+        owners: list[list[OwnerRank]], readers: dict[tuple[int, int], list[ReaderRank]]) -> None:
+    """One after the other: the first reader rank's read leaves the handle live for the second."""
+    group, pair = owners[0], readers[(4, 2)]
+    turn = Turn(group, seed=402, mode="use_once")
+    (live, consumed, _), = handle_state(group)
+    for k, rank in enumerate(pair):
+        result, table = turn.read(rank)
+        assert result.action == "fetched", result.message
+        holds_its_slice(rank, table, turn.remote_ids)
+        assert handle_state(group)[0][:2] == ((live, consumed) if k == 0 else (live - 1, consumed + 1))
+    third, _ = turn.read(pair[1])
+    assert third.reason == "claim_refused" and third.owner_reason == "HandleConsumedError", third.message
+    no_open_claims(group)
+
+
+def test_use_once_at_owner_tp2_is_consumed_on_each_rank_by_a_tp1_reader(
+        owners: list[list[OwnerRank]], readers: dict[tuple[int, int], list[ReaderRank]]) -> None:
+    group, reader = owners[1], readers[(4, 1)][0]  # one reader rank reads both owner ranks: 1 reader each
+    turn = Turn(group, seed=403, mode="use_once")
+    before = handle_state(group)
+    result, table = turn.read(reader)
+    assert result.action == "fetched", result.message
+    holds_its_slice(reader, table, turn.remote_ids)
+    assert handle_state(group) == [(live - 1, consumed + 1, hits + 1) for live, consumed, hits in before]
+    again, table = turn.read(reader)
+    assert again.reason == "claim_refused" and again.owner_reason == "HandleConsumedError", again.message
+    assert again.invalid_block_ids == tuple(table[:4].tolist()) and untouched(reader)
     no_open_claims(group)
 
 

@@ -11,7 +11,9 @@ reads exactly the heads it holds from an owner at TP ``b``, each head once: from
 or, for replicated heads, from one of the ranks holding it, spread by the reader's rank so that the owner
 ranks share the load. Contiguous heads from one owner rank form one :class:`HeadSlice`: the packed path's
 head-slice transform moves it in one read (``remote_head_offset`` / ``local_head_offset``). A split that is not
-even is refused with :class:`RankMappingError`: the caller recomputes, with the reason.
+even is refused with :class:`RankMappingError`: the caller recomputes, with the reason. :func:`readers_of`
+counts the reader ranks that read from one owner rank (several when the reader runs more ranks than the owner,
+or replicated heads pair up): the claims a use-once handle on that owner rank must expect.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 from .._values import is_int
 from ..errors import KVShuttleError, shown
+
+MAX_READERS = 64  # reader ranks one owner rank may expect to claim one handle (TP sizes are far smaller)
 
 
 class RankMappingError(KVShuttleError, ValueError):
@@ -99,3 +103,15 @@ def plan_rank_reads(num_kv_heads: int, reader_tp: int, reader_rank: int, owner_t
         else:
             slices.append(HeadSlice(owner, offset, k, 1))
     return tuple(slices)
+
+
+def readers_of(num_kv_heads: int, reader_tp: int, owner_tp: int, owner_rank: int) -> int:
+    """How many ranks of a reader at ``reader_tp`` read from owner rank ``owner_rank`` (of an owner at
+    ``owner_tp``) under :func:`plan_rank_reads`: the claims that owner rank should expect for one handle (a
+    use-once handle is consumed only when all of them completed). 0 when no reader rank reads from it (a
+    replica the reads do not spread to). RankMappingError when either TP size cannot split the heads or the
+    owner rank is out of range."""
+    heads, _, owner = _check(num_kv_heads, owner_tp, owner_rank, "owner")
+    _check(heads, reader_tp, 0, "reader")
+    return sum(1 for reader in range(int(reader_tp))
+               if any(s.owner_rank == owner for s in plan_rank_reads(heads, reader_tp, reader, owner_tp)))

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._values import as_float, is_finite, is_int
 from ..core.blocks import blocks_hold_tokens
+from ..core.ranks import MAX_READERS
 from ..errors import shown
 from ..policy.kv_handle import INT64_MAX, MAX_DIGEST_SIZE
 from .errors import RetentionArgumentError
@@ -34,6 +35,14 @@ def check_id(name: str, value: str) -> str:
     if not isinstance(value, str):
         raise RetentionArgumentError(f"{name} must be a str, got {type(value).__name__}")
     return value
+
+
+def check_readers(readers: int) -> int:
+    """A claim's ``readers``: how many reader ranks will claim the handle (an int, not a bool, in 1..64)."""
+    if not (is_int(readers) and 1 <= readers <= MAX_READERS):
+        raise RetentionArgumentError(f"readers must be an int in 1..{MAX_READERS} (how many reader ranks claim this "
+                                     f"handle here), got {shown(readers)}")
+    return int(readers)
 
 
 def check_block(block_id: int) -> int:

@@ -21,8 +21,10 @@ Decisions (see also the package docstring):
 * **Claims** pin the handle's blocks (no eviction, no freeing: release or expiry during a read only takes
   effect when the read ends) until ``complete``/``abort`` or ``claim_timeout_s`` (exclusive too: a complete at
   the deadline is lost). ``complete`` re-checks the generations, so a read that raced with a reuse is reported
-  instead of trusted. In use-once mode a handle has at most one claim; an abort or timeout makes it claimable
-  again (like vLLM, only a completed read or a release frees it).
+  instead of trusted. In use-once mode a handle has at most ``readers`` claims (the reader ranks that read it
+  under tensor parallelism, 1 by default; its first granted claim fixes the count, a claim naming another is
+  tampered) and is consumed when that many reads completed; an abort or timeout frees its slot (like vLLM,
+  only completed reads or a release free the handle).
 * **Thread safety.** One ``threading.Lock`` guards all state; every public method takes it once and does
   O(log n + blocks touched) work under it. ``on_free`` runs after the lock is released (it may call back into
   the ledger); ``clock`` and ``wall_clock`` run under it and must not.
@@ -47,6 +49,7 @@ from ._checks import (
     check_count,
     check_id,
     check_positive,
+    check_readers,
     check_retain,
     check_time,
 )
@@ -168,21 +171,23 @@ class RetentionLedger:
                                                conversation_id, ttl, handle_id, issued, once))
 
     def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
-              digests: Sequence[bytes] | None = None, *, reader: str = "") -> Claim:
+              digests: Sequence[bytes] | None = None, *, reader: str = "", readers: int = 1) -> Claim:
         """Check and pin a handle before a READ. ``block_ids``/``digests``, when given, must be the issued ones
-        or a prefix of them (the reader may read fewer blocks). Raises HandleUnavailableError or
+        or a prefix of them (the reader may read fewer blocks). ``readers`` (1..64): how many reader ranks will
+        claim a use-once handle here (multi-read handles ignore it). Raises HandleUnavailableError or
         TamperedHandleError; the reader then recomputes."""
         # Compared element-wise with what was issued, so no per-element conversion (O(n) Python at 1,536 blocks).
         check_id("handle_id", handle_id)
         if not is_int(generation):
             raise RetentionArgumentError(f"generation must be an int, got {shown(generation)}")
         check_id("reader", reader)
+        expected = check_readers(readers)
         ids, digs = as_tuple("block_ids", block_ids), as_tuple("digests", digests)
-        return self._call(lambda: self._claim(handle_id, generation, ids, digs, reader))
+        return self._call(lambda: self._claim(handle_id, generation, ids, digs, reader, expected))
 
     def complete(self, claim_id: str) -> Claim:
         """The read finished. Raises ClaimLostError (timed out) or StaleHandleError (blocks reused meanwhile):
-        then the reader must discard what it read. In use-once mode a completed read frees the handle."""
+        then the reader must discard what it read. In use-once mode the handle's last expected read frees it."""
         check_id("claim_id", claim_id)
         return self._call(lambda: self._complete(claim_id))
 
@@ -362,7 +367,7 @@ class RetentionLedger:
         return self._wire(handle, now, ttl)
 
     def _claim(self, handle_id: str, generation: int, ids: tuple[int, ...] | None, digs: tuple[bytes, ...] | None,
-               reader: str) -> Claim:
+               reader: str, readers: int) -> Claim:
         now = self._clock()
         handle = self._live(handle_id, now, count=True)
         count = len(handle.block_ids)
@@ -376,13 +381,18 @@ class RetentionLedger:
             if not digs or not _equal(digs, handle.digests[: len(digs)]) or (ids is not None and len(digs) != count):
                 self._tampered(handle_id, "digests are not the issued ones")
             count = len(digs)
-        if handle.once and handle.claims:
-            self._refuse("in_use", handle_id, "another reader holds the use-once claim")
+        problem = handle.slot_problem(readers) if handle.once else None
+        if problem is not None:
+            if problem[0] == "tampered":
+                self._tampered(handle_id, problem[1])
+            self._refuse("in_use", handle_id, problem[1])
         if self._open_by_reader[reader] >= self._max_claims_per_reader:
             self._refusals["claim_limit"] += 1
             raise ClaimLimitError(f"reader {reader[:16]} holds {self._max_claims_per_reader} open claims already; "
                                   "finish them first")
         self._open_by_reader[reader] += 1
+        if handle.once:
+            handle.readers = handle.readers or readers
         if handle.claims == 0:
             del self._lru[handle_id]  # a handle being read is never evicted
             self._reading.add(handle)
@@ -412,7 +422,9 @@ class RetentionLedger:
             raise StaleHandleError(handle.handle_id, "its blocks were reused during the read: discard them")
         self._counts["hits"] += 1
         if handle.once and handle.ended is None:
-            self._end(handle, "consumed")
+            handle.done += 1
+            if handle.done >= handle.readers:
+                self._end(handle, "consumed")
         return claim
 
     def _abort(self, claim_id: str) -> bool:

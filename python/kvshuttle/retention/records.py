@@ -8,8 +8,8 @@ from typing import Any
 
 
 class _Retained:
-    __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "ended", "expiry",
-                 "generation", "handle_id", "num_tokens", "once", "request_id", "reused", "tp_size")
+    __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "done", "ended", "expiry",
+                 "generation", "handle_id", "num_tokens", "once", "readers", "request_id", "reused", "tp_size")
 
     def __init__(self, handle_id: str, request_id: str, conversation_id: str | None, block_ids: tuple[int, ...],
                  digests: tuple[bytes, ...], num_tokens: int, block_size: int, tp_size: int, expiry: float) -> None:
@@ -20,7 +20,22 @@ class _Retained:
         self.claims = 0  # reads in flight
         self.ended: str | None = None  # an END_REASONS entry once it can no longer be claimed
         self.reused = False  # one of its blocks went back to the owner: what a read in flight got is stale
-        self.once = False  # use-once: one claim at a time, and a completed read frees it
+        self.once = False  # use-once: `readers` claims at most, and `readers` completed reads free it
+        self.readers = 0  # use-once: the reader ranks expected, fixed by the first granted claim (0: none yet)
+        self.done = 0  # use-once: reads completed so far
+
+    def slot_problem(self, readers: int) -> tuple[str, str] | None:
+        """Why this use-once handle cannot take one more claim expecting ``readers`` readers: ("tampered" or
+        "in_use", detail), or None when it can."""
+        if self.readers and readers != self.readers:
+            return "tampered", f"readers={readers} presented, {self.readers} named by its first claim"
+        expected = self.readers or readers
+        if self.claims < expected - self.done:
+            return None
+        if expected == 1:
+            return "in_use", "another reader holds the use-once claim"
+        return "in_use", (f"all {expected} reader claims are taken ({self.claims} in flight, {self.done} "
+                          "completed)")
 
     def valid(self, index: int) -> int:
         """Tokens of block ``index`` that hold KV."""

@@ -6,7 +6,9 @@ reads exactly its own heads from an owner at TP ``b``: :func:`~kvshuttle.core.ra
 the head slices and the owner rank each comes from. The read is all or nothing: it connects to and claims on
 every owner rank involved, reads every slice, and confirms with every rank; if any rank fails (connect,
 claim, read or confirmation) every other claim still open is finished with ``ok=False`` (the owner unpins)
-and every local target block is reported invalid, with the failing rank named.
+and every local target block is reported invalid, with the failing rank named. Each claim says how many reader
+ranks read that owner rank (:func:`~kvshuttle.core.ranks.readers_of`), so a use-once handle there is consumed
+only once every one of them has read it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._values import is_int
-from ..core.ranks import HeadSlice, RankMappingError, plan_rank_reads, rank_heads, split_problem
+from ..core.ranks import HeadSlice, RankMappingError, plan_rank_reads, rank_heads, readers_of, split_problem
 from ..errors import shown
 from ..policy import Decision, KVHandle
 from ..transfer import (
@@ -95,6 +97,8 @@ def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loca
         slices = plan_rank_reads(reader.num_kv_heads, reader.tp_size, reader.tp_rank, handle.tp_size)
         involved = sorted({s.owner_rank for s in slices})
         addresses = {rank: owner_rank_address(handle, rank) for rank in involved}
+        # every reader rank reading an owner rank claims there: a use-once handle waits for all of them
+        readers = {rank: readers_of(reader.num_kv_heads, reader.tp_size, handle.tp_size, rank) for rank in involved}
     except RankMappingError as exc:  # nothing was touched: the local hit stands, no block is invalid
         return reader._failed(decision, started, num_tokens, Failure.RANK_MAPPING, (), str(exc))
     invalid = tuple(local_ids.tolist())
@@ -113,7 +117,8 @@ def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loca
                 peers[rank] = peer
                 t0 = time.perf_counter()
                 tickets[rank] = reader._claim(peer, handle, decision.fetch_blocks.stop, deadline,
-                                              time.monotonic() + min(unknown_grace_s, reader.timeout_s))
+                                              time.monotonic() + min(unknown_grace_s, reader.timeout_s),
+                                              readers=readers[rank])
                 claim_s += time.perf_counter() - t0
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc

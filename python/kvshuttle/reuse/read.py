@@ -349,10 +349,10 @@ class ReuseReader:
                            decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
 
     def _claim(self, peer: Peer, handle: KVHandle, num_blocks: int, deadline: float,
-               grace_until: float) -> ClaimTicket:
+               grace_until: float, *, readers: int = 1) -> ClaimTicket:
         while True:
             try:
-                return self.engine.claim(peer, handle, num_blocks, timeout=_left(deadline))
+                return self.engine.claim(peer, handle, num_blocks, timeout=_left(deadline), readers=readers)
             except ClaimRefusedError as exc:
                 if exc.reason != "UnknownHandleError" or time.monotonic() >= grace_until:
                     raise

@@ -4,7 +4,9 @@ The owner's engine is given a :class:`ClaimAuthority` (``kvshuttle.retention.Ret
 transfer layer does not import it, so transfer and retention stay siblings. A claim checks the handle's
 generation, expiry and content (block ids, digests) and pins the blocks until the reader reports the read
 done (``complete``) or failed (``abort``), or the claim times out. Any refusal reaches the reader as a
-:class:`ClaimRefusedError` naming the owner's reason: the reader recomputes.
+:class:`ClaimRefusedError` naming the owner's reason: the reader recomputes. A claim may say how many reader
+ranks will claim the same handle on this owner rank (``readers``, tensor parallelism): a use-once handle then
+ends after that many completed reads instead of the first.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..core.ranks import MAX_READERS
 from ..errors import KVShuttleError
 from ..policy.kv_handle import KVHandle
 from ..trust import DeploymentSecret
@@ -37,7 +40,7 @@ class ClaimAuthority(Protocol):
     """What the owner consults on a claim (implemented by ``kvshuttle.retention.RetentionLedger``)."""
 
     def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
-              digests: Sequence[bytes] | None = None, *, reader: str = "") -> GrantedClaim: ...
+              digests: Sequence[bytes] | None = None, *, reader: str = "", readers: int = 1) -> GrantedClaim: ...
 
     def complete(self, claim_id: str) -> object: ...
 
@@ -70,12 +73,25 @@ class ClaimTicket:
     num_tokens: int
 
 
-def claim_request(handle: KVHandle, num_blocks: int | None) -> dict[str, Any]:
+def claim_request(handle: KVHandle, num_blocks: int | None, readers: int = 1) -> dict[str, Any]:
     """The side-channel message claiming the first ``num_blocks`` blocks of ``handle`` (all when None); the
-    owner knows the claimant by its authenticated connection, not by anything the message says."""
+    owner knows the claimant by its authenticated connection, not by anything the message says. ``readers``:
+    how many reader ranks will claim this handle on this owner rank (a use-once handle ends after that many
+    completed reads); sent only when it is not 1, so an owner that predates it serves TP=1 readers as before."""
     count = len(handle.block_ids) if num_blocks is None else num_blocks
-    return {"op": "claim", "handle_id": handle.handle_id, "generation": handle.generation,
-            "block_ids": list(handle.block_ids[:count]), "digests": list(handle.digests[:count])}
+    message: dict[str, Any] = {"op": "claim", "handle_id": handle.handle_id, "generation": handle.generation,
+                               "block_ids": list(handle.block_ids[:count]), "digests": list(handle.digests[:count])}
+    if readers != 1:
+        message["readers"] = readers
+    return message
+
+
+def _readers(message: dict[str, Any]) -> int:
+    """A claim's ``readers`` (1 when absent): an int (not a bool) in 1..MAX_READERS, else ProtocolError."""
+    if "readers" not in message:
+        return 1
+    readers: int = field(message, "readers", int, 1, MAX_READERS)
+    return readers
 
 
 def _ttl(message: dict[str, Any]) -> float | None:
@@ -102,7 +118,7 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, re
                 raise ProtocolError(f"a claim names at most {MAX_CLAIM_BLOCKS} blocks")
             # Lists straight from msgpack: the authority compares them with what it issued, element-wise.
             granted = authority.claim(field(message, "handle_id", str), field(message, "generation", int),
-                                      ids, digests, reader=reader)
+                                      ids, digests, reader=reader, readers=_readers(message))
             return {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
                     "num_tokens": granted.num_tokens}
         if op == "renew_retention":  # clamped to the authority's maximum TTL

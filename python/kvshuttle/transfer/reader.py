@@ -20,6 +20,7 @@ import numpy.typing as npt
 from ..core.blocks import blocks_hold_tokens, check_ids
 from ..core.layout import CacheGeometry, StagingLayout
 from ..core.plan import ReadPlan, plan_read
+from ..core.ranks import MAX_READERS
 from ..errors import BlockIdError, StagingError, shown
 from ..policy.kv_handle import KVHandle
 from ._nixl import MemType, NixlCallError
@@ -53,9 +54,11 @@ def _loose_ids(ids: Any) -> tuple[int, ...]:
         return ()
 
 
-def _int_arg(name: str, value: Any, minimum: int, lids: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise TransferArgumentError(f"{name} must be an integer >= {minimum}, got {shown(value)}", _loose_ids(lids))
+def _int_arg(name: str, value: Any, minimum: int, lids: Any, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum \
+            or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise TransferArgumentError(f"{name} must be an integer {bounds}, got {shown(value)}", _loose_ids(lids))
     return int(value)
 
 
@@ -133,10 +136,13 @@ class ReaderRole(Endpoint):
             return False
 
     def claim(self, peer: Peer, handle: KVHandle, num_blocks: int | None = None,
-              timeout: float | None = None) -> ClaimTicket:
+              timeout: float | None = None, *, readers: int = 1) -> ClaimTicket:
         """Ask the owner to check and pin the first ``num_blocks`` blocks of ``handle`` before reading them.
 
-        Raises ClaimRefusedError (expired, evicted, stale, consumed, tampered...): recompute instead.
+        ``readers`` (1..64): how many reader ranks claim this handle on this owner (tensor parallelism:
+        :func:`~kvshuttle.core.ranks.readers_of`); a use-once handle ends only after that many completed reads,
+        and every rank must name the same count. Raises ClaimRefusedError (expired, evicted, stale, consumed,
+        tampered...): recompute instead.
         """
         self._check_open()
         self._live_peer(peer, ())
@@ -145,8 +151,9 @@ class ReaderRole(Endpoint):
         count = len(handle.block_ids) if num_blocks is None else _int_arg("num_blocks", num_blocks, 0, ())
         if count > len(handle.block_ids):
             raise TransferArgumentError(f"num_blocks={count} exceeds the handle's {len(handle.block_ids)} blocks")
+        expected = _int_arg("readers", readers, 1, (), MAX_READERS)
         wait = _timeout_arg(timeout, self.config.connect_timeout_s)
-        reply = self._request(peer, claim_request(handle, count), wait, "a claim")
+        reply = self._request(peer, claim_request(handle, count, expected), wait, "a claim")
         return ticket_from_reply(reply, peer.address)
 
     def finish_claim(self, peer: Peer, ticket: ClaimTicket, ok: bool, timeout: float | None = None) -> None:
