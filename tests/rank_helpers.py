@@ -77,12 +77,17 @@ def _rank_main(conn: Any, model: Model, tp_size: int, rank: int) -> None:
             if command == "stop":
                 break
             if command == "retain":
+                if args.get("ranks"):  # what a renewal's params name (the connector's worker sets it too)
+                    ledger.ranks = tuple(args["ranks"])
                 handle = ledger.retain(args["request_id"], args["block_ids"], args["digests"], args["num_tokens"],
                                        model.block_size, tp_size, ttl_s=300.0, handle_id=args["handle_id"],
                                        generation=0, mode=args.get("mode"))
                 conn.send(("retain", handle.handle_id))
             elif command == "release":
                 conn.send(("release", ledger.release(args["handle_id"])))
+            elif command == "expiry":
+                held = ledger.get(args["handle_id"])
+                conn.send(("expiry", None if held is None else held.expiry_time))
             elif command == "metrics":
                 conn.send(("metrics", ledger.metrics()))
             else:

@@ -203,12 +203,12 @@ class Turn:
         self.remote_ids = tuple(int(b) for b in rng.permutation(model.num_blocks)[:4])
         digests = tuple(block_digests(self.tokens, model.block_size))
         handle_id = secrets.token_urlsafe(18)
+        ranks = tuple(o.address for o in group) if len(group) > 1 else ()
         for owner in group:
             owner.call("retain", request_id=f"req-{seed}", block_ids=list(self.remote_ids), digests=list(digests),
-                       num_tokens=len(self.tokens), handle_id=handle_id, mode=mode)
+                       num_tokens=len(self.tokens), handle_id=handle_id, mode=mode, ranks=list(ranks))
         host, port = group[0].address.rsplit(":", 1)
         now = time.time()
-        ranks = tuple(o.address for o in group) if len(group) > 1 else ()
         self.handle = KVHandle("owner", f"req-{seed}", host, int(port), self.remote_ids, len(self.tokens), now + 300,
                                len(group), handle_id, 0, model.block_size, digests, now, 300.0, ranks)
         self.params = self.handle.to_kv_transfer_params(SECRET)
@@ -414,3 +414,43 @@ def test_rank_arguments_are_checked(readers: dict[tuple[int, int], list[ReaderRa
     for kwargs, match in cases:
         with pytest.raises(ReuseArgumentError, match=match):
             ReuseReader(two_heads, **kwargs)
+
+
+def test_renewal_and_release_reach_every_owner_rank(owners: list[list[OwnerRank]],
+                                                    readers: dict[tuple[int, int], list[ReaderRank]]) -> None:
+    """Each owner rank holds its own retention: a renewal that reached rank 0 alone would let rank 1 expire (and
+    with it the handle), a release on rank 0 alone would leave rank 1 holding the blocks."""
+    from kvshuttle.transfer import release_retention, renew_retention
+    from kvshuttle.transfer.control import ask_release, connect
+
+    group = owners[1]  # TP=2
+    reader = readers[(4, 1)][0].reader
+
+    def expiries(turn: Turn) -> list[Any]:
+        return [owner.call("expiry", handle_id=turn.handle.handle_id) for owner in group]
+
+    for seed, (renew, release) in enumerate((
+            (reader.renew, reader.release),  # a reader's calls, over its connected peers
+            (lambda p, ttl_s: renew_retention(p, ttl_s=ttl_s, secret=SECRET),  # a router's
+             lambda p: release_retention(p, secret=SECRET)))):
+        turn = Turn(group, seed=900 + seed)
+        before = expiries(turn)
+        renewed = renew(turn.params, ttl_s=1000.0)
+        assert renewed is not None
+        handle = KVHandle.from_kv_transfer_params(renewed, SECRET)  # still signed, still naming every rank
+        assert handle.ranks == turn.handle.ranks and handle.tp_size == 2 and handle.handle_id == turn.handle.handle_id
+        after = expiries(turn)
+        assert all(a > b + 500 for a, b in zip(after, before, strict=True)), (before, after)
+        assert release(renewed) is True
+        assert expiries(turn) == [None, None]
+        assert release(renewed) is False
+    # a rank that lost the handle: the renewal says so (None) instead of renewing a handle no reader can use
+    turn = Turn(group, seed=990)
+    conn = connect(f"tcp://{group[1].address}", SECRET)
+    try:
+        assert ask_release(conn, turn.handle, 5.0) is True
+    finally:
+        conn.close()
+    assert renew_retention(turn.params, ttl_s=1000.0, secret=SECRET) is None
+    assert release_retention(turn.params, secret=SECRET) is True  # rank 0 still held it
+    assert expiries(turn) == [None, None]

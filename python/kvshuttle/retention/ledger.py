@@ -118,6 +118,7 @@ class RetentionLedger:
                 raise RetentionArgumentError("budget_bytes needs bytes_per_block > 0 (all layers' K and V of a block)")
             limits.append(check_count("budget_bytes", budget_bytes) // bytes_per_block)
         self.engine_id, self.host, self.port, self.mode = engine_id, host, port, mode
+        self.ranks: tuple[str, ...] = ()  # owner ranks' side channels, rank 0 = host:port: named at tp_size > 1
         self.bytes_per_block = bytes_per_block
         self.budget_blocks: int | None = min(limits) if limits else None
         self._clock, self._wall_clock, self._on_free, self._on_release = clock, wall_clock, on_free, on_release
@@ -592,4 +593,5 @@ class RetentionLedger:
         return KVHandle(engine_id=self.engine_id, request_id=handle.request_id, host=self.host, port=self.port,
                         block_ids=handle.block_ids, num_tokens=handle.num_tokens, expiry_time=issued_at + ttl_left,
                         tp_size=handle.tp_size, handle_id=handle.handle_id, generation=handle.generation,
-                        block_size=handle.block_size, digests=handle.digests, issued_at=issued_at, ttl_s=ttl_left)
+                        block_size=handle.block_size, digests=handle.digests, issued_at=issued_at, ttl_s=ttl_left,
+                        ranks=self.ranks if handle.tp_size > 1 else ())

@@ -43,7 +43,7 @@ from ..transfer import (
     TransferTimeoutError,
 )
 from ..transfer.config import PATHS, Path
-from ..transfer.control import ask_release, ask_renewal
+from ..transfer.control import rank_addresses, release_on_ranks, renew_on_ranks
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +201,8 @@ class ReuseReader:
         handle = parse_handle(kv_transfer_params, secret=self.secret)
         if not isinstance(handle, KVHandle):
             return None
-        try:
-            return ask_renewal(self._peer(handle), handle, ttl_s, self.engine.config.connect_timeout_s)
+        try:  # every owner rank holds its own retention of the handle
+            return renew_on_ranks(self._owner_ranks(handle), handle, ttl_s, self.engine.config.connect_timeout_s)
         except TransferError as exc:
             log.info("kvshuttle: retention %s... not renewed: %s", handle.handle_id[:8], exc)
             return None
@@ -213,7 +213,7 @@ class ReuseReader:
         if not isinstance(handle, KVHandle):
             return False
         try:
-            return ask_release(self._peer(handle), handle, self.engine.config.connect_timeout_s)
+            return release_on_ranks(self._owner_ranks(handle), handle, self.engine.config.connect_timeout_s)
         except TransferError as exc:
             log.info("kvshuttle: retention %s... not released: %s", handle.handle_id[:8], exc)
             return False
@@ -244,6 +244,10 @@ class ReuseReader:
             return None
         first = tokens.start // bs
         return table[first:first + blocks_for_tokens(len(tokens), bs)]
+
+    def _owner_ranks(self, handle: KVHandle) -> list[Peer]:
+        """The connected owner ranks of ``handle`` (one for a single owner), in rank order."""
+        return [self._peer_at(*address.removeprefix("tcp://").rsplit(":", 1)) for address in rank_addresses(handle)]
 
     def _peer(self, handle: KVHandle) -> Peer:
         """The connected owner of ``handle``: cached, refused at once while cooling down, else (re)connected."""

@@ -45,6 +45,7 @@ class RetainJob:
     block_size: int
     ttl_s: float
     use_once: bool
+    ranks: tuple[str, ...] = ()  # every rank's side channel (TP > 1): a renewed handle names them too
 
 
 @dataclass(frozen=True)

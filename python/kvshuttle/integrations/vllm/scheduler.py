@@ -259,7 +259,7 @@ class ShuttleScheduler:
                           now, ttl, ranks)
         once = prefill or self.config.reads == "use_once"  # a prompt is read by its one decode
         job = RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens, self.block_size,
-                        ttl, once)
+                        ttl, once, ranks)
         out = handle.to_kv_transfer_params(self.secret)  # fresh: the request's grant is never echoed
         # vLLM's proxy protocol: a prefill's params send its decode to read (do_remote_prefill); a decode's
         # send the next turn's prefill to read back (do_remote_decode).
