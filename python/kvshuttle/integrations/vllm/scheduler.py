@@ -87,7 +87,8 @@ class ShuttleScheduler:
         """Every tensor-parallel rank's handshake (vLLM's ``{tp_rank: metadata}``). Nothing is retained until
         all ``tp_size`` ranks reported a side channel: a handle must name every shard."""
         ranks = [metadata.get(rank) for rank in range(self.tp_size)]
-        if not all(isinstance(r, ShuttleHandshake) for r in ranks) or len(metadata) != self.tp_size:
+        if len(metadata) != self.tp_size or not all(isinstance(r, ShuttleHandshake) and r.tp_rank == k
+                                                    for k, r in enumerate(ranks)):
             self._ranks = ()
             if metadata:
                 self._warn_once("ranks", f"kvshuttle: {len(metadata)} of {self.tp_size} ranks reported a side "
@@ -278,8 +279,8 @@ class ShuttleScheduler:
         the next step tells every rank to end them too, so that an eviction, release, expiry or use-once read
         on one rank frees the blocks (vLLM frees them when every rank reported) and no rank serves a handle
         another rank dropped."""
-        if self.tp_size > 1 and ended:
-            news = sorted((set(ended) & self._held) - self._ending)
+        if self.tp_size > 1 and ended:  # not those freed in this very report (every rank's TTL sweep at once)
+            news = sorted((set(ended) & (self._held - set(finished_sending or ()))) - self._ending)
             self._releases.extend(news)
             self._ending.update(news)
         sending, recving = set(finished_sending or ()), set(finished_recving or ())

@@ -76,6 +76,9 @@ class ShuttleWorker:
         c = self.config
         name = f"kvshuttle-{self.engine_id}" + (f"-tp{self.tp_rank}" if self.tp_size > 1 else "")
         rank_port = c.port + self.tp_rank if c.port else 0  # kvshuttle_port is rank 0's; rank r: port + r
+        if rank_port > 65535:
+            raise ConnectorConfigError(f"kvshuttle_port={c.port} leaves no port for TP rank {self.tp_rank} (rank r "
+                                       f"listens on kvshuttle_port + r <= 65535)")
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s,
