@@ -1,6 +1,8 @@
 """End to end with tensor parallelism: real vLLM engines at TP=2 (vLLM's multiprocess executor on CPU) with
 kvshuttle's connector, prefill and decode sized differently or alike: P TP=2 -> D TP=1, P TP=1 -> D TP=2 and
-P TP=2 -> D TP=2 (the tiny Llama's 8 KV heads: 4 per rank).
+P TP=2 -> D TP=2 (the tiny Llama's 8 KV heads: 4 per rank). The last runs as production does, with the
+prefill's own prefix cache on (and ``kv_recompute_threshold=0``, so that the few tokens beyond the local hit are
+read): the reverse read then starts where the prefill's local hit ends, on a block boundary.
 
 Every rank is its own peer: a reader rank reads exactly its heads from the owner rank(s) holding them, in both
 directions (decode reads prefill's prompt, prefill reads decode's conversation back). Per combination:
@@ -76,9 +78,10 @@ def wait_for(engine: Any, usage: float, timeout_s: float) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)], ids=["P2-D1", "P1-D2", "P2-D2"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "prefix_cache"), [(2, 1, False), (1, 2, False), (2, 2, True)],
+                         ids=["P2-D1", "P1-D2", "P2-D2-prefix-cache"])
 def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill_tp: int,  # noqa: F811
-                                         decode_tp: int) -> None:
+                                         decode_tp: int, prefix_cache: bool) -> None:
     from kvshuttle.bench.e2e.conversation import (
         ConversationPlan,
         decode_params_for,
@@ -90,8 +93,10 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
     from kvshuttle.bench.e2e.engines import pd_pair, shuttle_transfer_config, start_all
 
     # an engine's two ranks share one core here: a busy owner's heartbeats can be late, a killed one is seen at once
-    config = shuttle_transfer_config(kvshuttle_peer_timeout_s=5.0)
-    prefill, decode = pd_pair(model_dir, config, config, tmp_path, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    config = shuttle_transfer_config(kvshuttle_peer_timeout_s=5.0, **({"kv_recompute_threshold": 0} if prefix_cache
+                                                                      else {}))
+    prefill, decode = pd_pair(model_dir, config, config, tmp_path, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                              prefill_prefix_cache=prefix_cache)
     plan = ConversationPlan(turns=3, first_tokens=256, next_tokens=64, answer_tokens=8)
     seen: dict[str, Any] = {}
     with engines_closed(tmp_path, [prefill, decode]):
@@ -126,7 +131,7 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
     for t in turns:
         print(t.summary(), t.notes)
 
-    previous = None
+    previous, previous_prompt = None, 0
     for t in turns:
         p_params, d_params = t.prefill["kv_transfer_params"], t.decode["kv_transfer_params"]
         for params, tp in ((p_params, prefill_tp), (d_params, decode_tp)):  # every owner rank named, rank 0 first
@@ -137,14 +142,19 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
                                                                          f"{params['remote_port']}")
         local = 0 if previous is None else previous // BLOCK * BLOCK  # decode's own prefix cache hit
         assert d_params["kvshuttle_read_tokens"] == len(t.prompt) - 1 - local, t.summary()
+        # prefill's own prefix cache (production) holds the previous prompt's full blocks: the read starts there
+        hit = previous_prompt // BLOCK * BLOCK if prefix_cache else 0
         if previous is None:
             assert p_params["kvshuttle_read_tokens"] == 0
-        else:  # prefill read back everything decode held: the previous prompt and its answer
-            assert t.prefill["num_cached_tokens"] == p_params["kvshuttle_read_tokens"] == previous, t.summary()
-        previous = d_params["remote_num_tokens"]
+        else:  # prefill holds everything decode held, the previous prompt and its answer: its own hit + the read
+            assert t.prefill["num_cached_tokens"] == previous, t.summary()
+            assert p_params["kvshuttle_read_tokens"] == previous - hit > 0, t.summary()
+        previous, previous_prompt = d_params["remote_num_tokens"], len(t.prompt)
         assert t.reference is not None and t.answer == t.reference["token_ids"], f"turn {t.turn}"
-    # the edited history reused exactly its verified prefix (blocks 0-2) and its answer is right
-    assert edited_pre["kv_transfer_params"]["kvshuttle_read_tokens"] == edited_pre["num_cached_tokens"] == 96
+    # the edited history reused exactly its verified prefix (blocks 0-2: from the decode, or from the prefill's
+    # own cache, which holds the same blocks) and its answer is right
+    assert edited_pre["num_cached_tokens"] == 96
+    assert edited_pre["kv_transfer_params"]["kvshuttle_read_tokens"] == (0 if prefix_cache else 96)
     assert edited_dec["token_ids"] == seen["edited_local"]
     # every release went through; every rank of both engines let go of the blocks
     assert seen["held"]["kvshuttle_retained_blocks"] > 0
@@ -154,7 +164,7 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
         assert not engine_after["kvshuttle_retained_blocks"], seen
     # a killed decode rank: recomputed, answered right, without waiting out a load timeout
     assert killed["kv_transfer_params"] is None or killed["kv_transfer_params"].get("kvshuttle_read_tokens", 0) == 0
-    assert killed["num_cached_tokens"] == 0
+    assert killed["num_cached_tokens"] == (len(fresh) // BLOCK * BLOCK if prefix_cache else 0)  # the local hit only
     assert killed["token_ids"] == seen["killed_local"]
     assert seen["killed_s"] < 30
     log = (tmp_path / "prefill.log").read_text()

@@ -448,11 +448,12 @@ def reads_by_rank(log_path: Path) -> dict[str, dict[str, Any]]:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    head = (f"{'case':<8}{'len':>5}{'turn':>5}  {'config':<10}{'prompt':>7}{'reused':>7}{'ks read':>8}"
+    w = max([10] + [len(r["config"]) + 1 for r in result["results"]])  # the config column
+    head = (f"{'case':<8}{'len':>5}{'turn':>5}  {'config':<{w}}{'prompt':>7}{'reused':>7}{'ks read':>8}"
             f"{'TTFT s':>8}{'dec TTFT':>9}{'decode s':>9}{'turn s':>8}{'match':>7}{'lp diff':>9}")
     lines = [head]
     for r in result["results"]:
-        start = f"{r['case']:<8}{r['first_tokens']:>5}{r['turn']:>5}  {r['config']:<10}"
+        start = f"{r['case']:<8}{r['first_tokens']:>5}{r['turn']:>5}  {r['config']:<{w}}"
         if "samples" not in r:
             lines.append(start + "  error: " + "; ".join(e["error"][:80] for e in r.get("errors", [])))
             continue

