@@ -143,8 +143,9 @@ def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loca
         if failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE, Failure.TRANSFER_TIMEOUT) \
                 and failed.rank in peers:
             reader._mark_failed(peers[failed.rank].address, str(error))
-        return reader._failed(decision, started, num_tokens, failure, invalid, str(failed), claim_s,
-                              getattr(error, "reason", ""))
+        single = handle.tp_size == reader.tp_size == 1  # one owner: its error says it all
+        return reader._failed(decision, started, num_tokens, failure, invalid, str(error) if single else str(failed),
+                              claim_s, getattr(error, "reason", ""))
     return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
                        decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
 

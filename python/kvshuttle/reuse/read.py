@@ -249,10 +249,6 @@ class ReuseReader:
         """The connected owner ranks of ``handle`` (one for a single owner), in rank order."""
         return [self._peer_at(*address.removeprefix("tcp://").rsplit(":", 1)) for address in rank_addresses(handle)]
 
-    def _peer(self, handle: KVHandle) -> Peer:
-        """The connected owner of ``handle``: cached, refused at once while cooling down, else (re)connected."""
-        return self._peer_at(handle.host, handle.port)
-
     def _peer_at(self, host: str, port: int | str) -> Peer:
         """The connected owner (rank) at ``host:port``; the allow-list and the circuit breaker apply per address."""
         address = f"tcp://{host}:{port}"
@@ -318,39 +314,9 @@ class ReuseReader:
         local_ids = np.asarray(local_ids, dtype=np.int64)
         deadline = time.monotonic() + self.timeout_s if deadline is None else min(deadline, time.monotonic()
                                                                                    + self.timeout_s)
-        if handle.tp_size != 1 or self.tp_size != 1:  # tensor parallel on either side: one read per owner rank
-            return fetch_ranked(self, decision, handle, local_ids, num_tokens, started=started,
-                                unknown_grace_s=unknown_grace_s, deadline=deadline)
-        claim_s, ticket, peer, confirming = 0.0, None, None, False
-        try:
-            if time.monotonic() >= deadline:
-                raise TransferTimeoutError("the load's deadline passed before it started (queued too long)")
-            peer = self._peer(handle)
-            t0 = time.perf_counter()
-            ticket = self._claim(peer, handle, decision.fetch_blocks.stop, deadline,
-                                 time.monotonic() + min(unknown_grace_s, self.timeout_s))
-            claim_s = time.perf_counter() - t0
-            with self.engine.read(peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
-                                  path=self.path, timeout=_left(deadline), claim=ticket) as transfer:
-                telemetry = transfer.wait(_left(deadline))
-            t0 = time.perf_counter()
-            confirming = True  # from here on the decode holds no pin to drop: finish_claim(ok) ends the claim
-            self.engine.finish_claim(peer, ticket, ok=True, timeout=_left(deadline))
-            claim_s += time.perf_counter() - t0
-        except TransferError as exc:
-            if ticket is not None and peer is not None and not confirming:  # let the decode unpin now
-                try:
-                    self.engine.finish_claim(peer, ticket, ok=False, timeout=_left(deadline))
-                except TransferError as report:
-                    log.debug("kvshuttle: could not report a failed read to %s: %s", handle.host, report)
-            failure = Failure.REUSED_MEANWHILE if confirming and isinstance(exc, ClaimRefusedError) \
-                else _failure(exc)
-            if failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE, Failure.TRANSFER_TIMEOUT) and peer is not None:
-                self._mark_failed(peer.address, str(exc))  # the next requests naming it recompute at once
-            return self._failed(decision, started, num_tokens, failure, tuple(local_ids.tolist()), str(exc), claim_s,
-                                getattr(exc, "reason", ""))
-        return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
-                           decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
+        # one implementation for every TP pair: a single owner is owner rank 0 of TP=1, read as one head slice
+        return fetch_ranked(self, decision, handle, local_ids, num_tokens, started=started,
+                            unknown_grace_s=unknown_grace_s, deadline=deadline)
 
     def _claim(self, peer: Peer, handle: KVHandle, num_blocks: int, deadline: float,
                grace_until: float, *, readers: int = 1) -> ClaimTicket:
