@@ -7,14 +7,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvshuttle.policy import block_digests
+from kvshuttle.policy import KVHandle, block_digests
 from kvshuttle.retention import RetentionLedger
 from kvshuttle.transfer.board import HandleBoard, check_publish_key, serve_take
-from kvshuttle.transfer.errors import PeerUnreachableError, TransferArgumentError
+from kvshuttle.transfer.errors import PeerLostError, PeerUnreachableError, TransferArgumentError
 from kvshuttle.trust import DeploymentSecret
 
 
@@ -239,3 +240,35 @@ def test_a_long_conversations_handle_survives_renewal_and_publication(
     assert renewed["kvshuttle_digests"] == params["kvshuttle_digests"]
     board.put("long-key", renewed)
     assert take_published(address, "long-key", timeout_s=2.0) == renewed
+
+
+class _Rank:
+    """A requester playing one owner rank: answers a release, or fails as a dead rank does."""
+
+    def __init__(self, answer: dict[str, Any] | None) -> None:
+        self.address, self.answer, self.asked = "tcp://127.0.0.1:1", answer, 0
+
+    def request(self, message: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+        self.asked += 1
+        if self.answer is None:
+            raise PeerLostError("the rank's process is gone")
+        return self.answer
+
+
+def test_a_dead_rank_does_not_keep_the_live_ones_holding_blocks() -> None:
+    from kvshuttle.transfer.control import rank_addresses, release_on_ranks
+
+    handle = _tp2_handle()
+    assert rank_addresses(handle) == [f"tcp://{r}" for r in handle.ranks]
+    dead, live = _Rank(None), _Rank({"op": "released", "released": True})
+    assert release_on_ranks([dead, live], handle, 1.0) is True  # the live rank after the dead one was asked too
+    assert (dead.asked, live.asked) == (1, 1)
+    gone = _Rank({"op": "released", "released": False})
+    assert release_on_ranks([gone, gone], handle, 1.0) is False
+    with pytest.raises(PeerLostError):  # nothing released and a rank failed: the failure, not a quiet False
+        release_on_ranks([_Rank(None), gone], handle, 1.0)
+
+
+def _tp2_handle() -> KVHandle:
+    return KVHandle("owner", "req", "127.0.0.1", 5600, (1, 2), 32, 2e9, 2, "h-tp2", 0, 16,
+                    (b"\x00" * 16, b"\x01" * 16), 1e9, 480.0, ("127.0.0.1:5600", "127.0.0.1:5601"))

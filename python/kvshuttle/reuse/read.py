@@ -213,7 +213,8 @@ class ReuseReader:
         if not isinstance(handle, KVHandle):
             return False
         try:
-            return release_on_ranks(self._owner_ranks(handle), handle, self.engine.config.connect_timeout_s)
+            return release_on_ranks(self._owner_ranks(handle, reachable=True), handle,
+                                    self.engine.config.connect_timeout_s)
         except TransferError as exc:
             log.info("kvshuttle: retention %s... not released: %s", handle.handle_id[:8], exc)
             return False
@@ -245,9 +246,21 @@ class ReuseReader:
         first = tokens.start // bs
         return table[first:first + blocks_for_tokens(len(tokens), bs)]
 
-    def _owner_ranks(self, handle: KVHandle) -> list[Peer]:
-        """The connected owner ranks of ``handle`` (one for a single owner), in rank order."""
-        return [self._peer_at(*address.removeprefix("tcp://").rsplit(":", 1)) for address in rank_addresses(handle)]
+    def _owner_ranks(self, handle: KVHandle, *, reachable: bool = False) -> list[Peer]:
+        """The connected owner ranks of ``handle`` (one for a single owner), in rank order; ``reachable``: only
+        those that answer (the first error when none does)."""
+        peers: list[Peer] = []
+        error: TransferError | None = None
+        for address in rank_addresses(handle):
+            try:
+                peers.append(self._peer_at(*address.removeprefix("tcp://").rsplit(":", 1)))
+            except TransferError as exc:
+                if not reachable:
+                    raise
+                error = error or exc
+        if not peers and error is not None:
+            raise error
+        return peers
 
     def _peer_at(self, host: str, port: int | str) -> Peer:
         """The connected owner (rank) at ``host:port``; the allow-list and the circuit breaker apply per address."""

@@ -22,7 +22,7 @@ from ..errors import shown
 from ..policy import KVHandle, parse_handle
 from ..trust import DeploymentSecret
 from .board import check_publish_key
-from .errors import ProtocolError, TransferArgumentError
+from .errors import ProtocolError, TransferArgumentError, TransferError
 from .side_channel import Connection
 
 
@@ -102,8 +102,17 @@ def renew_on_ranks(ranks: Sequence[Requester], handle: KVHandle, ttl_s: float | 
 
 
 def release_on_ranks(ranks: Sequence[Requester], handle: KVHandle, timeout_s: float) -> bool:
-    """:func:`ask_release` on every owner rank (each is asked, whatever the others answer); True when any freed."""
-    return any([ask_release(rank, handle, timeout_s) for rank in ranks])
+    """:func:`ask_release` on every owner rank, each asked whatever the others answer (a dead rank must not keep
+    the live ones holding blocks); True when any freed, else the first rank's error, if one failed."""
+    released, error = False, None
+    for rank in ranks:
+        try:
+            released = ask_release(rank, handle, timeout_s) or released
+        except TransferError as exc:
+            error = error or exc
+    if error is not None and not released:
+        raise error
+    return released
 
 
 def ask_release(conn: Requester, handle: KVHandle, timeout_s: float) -> bool:
