@@ -28,6 +28,7 @@ from .errors import (
     TransferError,
     TransferTimeoutError,
 )
+from .layered import LayeredTransfer
 from .owner import OwnerRole, ReadNotice
 from .peer import Peer
 from .reader import ReaderRole
@@ -42,6 +43,7 @@ __all__ = [
     "EngineConfig",
     "HandleBoard",
     "IncompatiblePeerError",
+    "LayeredTransfer",
     "NixlUnavailableError",
     "OwnerRole",
     "Peer",

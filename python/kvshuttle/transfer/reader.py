@@ -18,10 +18,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.blocks import blocks_hold_tokens, check_ids
+from ..core.layers import split_by_layer
 from ..core.layout import CacheGeometry, StagingLayout
 from ..core.plan import ReadPlan, plan_read
 from ..core.ranks import MAX_READERS
-from ..errors import BlockIdError, StagingError, shown
+from ..errors import BlockIdError, LayoutError, StagingError, shown
 from ..policy.kv_handle import KVHandle
 from ._nixl import MemType, NixlCallError
 from .claims import ClaimTicket, check_done_reply, claim_request, ticket_from_reply
@@ -39,6 +40,7 @@ from .errors import (
     TransferArgumentError,
     TransferError,
 )
+from .layered import LayeredTransfer
 from .packed import PackedSetup, PackedTransfer
 from .peer import Peer
 from .side_channel import Connection
@@ -229,6 +231,46 @@ class ReaderRole(Endpoint):
         self._active.add(handle)
         return handle
 
+    def read_layers(self, peer: Peer, local_ids: Any, remote_ids: Any, *, groups: int | None = None,
+                    notify: bytes = b"", timeout: float | None = None) -> LayeredTransfer:
+        """Start a direct read of whole blocks as one NIXL request per group of consecutive layers (``groups``,
+        default one per layer), to be waited for layer by layer (:class:`~.layered.LayeredTransfer`). Needs
+        identical block layouts on both sides and a layer-major local cache; checked before anything is posted,
+        as for :meth:`read`."""
+        started = time.perf_counter()
+        self._check_open()
+        self._live_peer(peer, local_ids)
+        if not isinstance(notify, bytes):
+            raise TransferArgumentError(f"notify must be bytes, got {type(notify).__name__}", _loose_ids(local_ids))
+        wait = _timeout_arg(timeout, self.config.transfer_timeout_s)
+        lids, rids, _ = self._check_read_ids(peer, local_ids, remote_ids, None)
+        layers = self.cache.geometry.num_layers
+        count = layers if groups is None else _int_arg("groups", groups, 1, lids, maximum=layers)
+        if peer.layout_difference is not None:
+            raise IncompatiblePeerError(f"a layer-by-layer read is direct: it needs identical block layouts, but "
+                                        f"{peer.layout_difference}", lids)
+        if lids.size == 0:
+            raise TransferArgumentError("a layer-by-layer read needs at least one block", lids)
+        try:
+            parts = split_by_layer(plan_read(self.side, lids, peer.info.side, rids), self.side, count)
+        except LayoutError as exc:
+            raise IncompatiblePeerError(str(exc), lids) from None
+        transfer_id = uuid.uuid4().hex[:16]
+        deadline = time.monotonic() + wait
+        posted: list[tuple[range, DirectTransfer]] = []
+        try:
+            for k, (group, plan) in enumerate(parts):
+                handle = self._read_direct(peer, f"{transfer_id}.{k}", lids, rids, plan, f"layers {group.start}-"
+                                           f"{group.stop - 1}", notify, deadline, started, mode="initialize")
+                assert isinstance(handle, DirectTransfer)
+                self._active.add(handle)
+                posted.append((group, handle))
+        except BaseException:
+            for _, handle in posted:
+                handle.release()
+            raise
+        return LayeredTransfer(transfer_id, posted, tuple(lids.tolist()), layers)
+
     # -- internals ------------------------------------------------------------------------------------------
     def _live_peer(self, peer: Any, local_ids: Any) -> None:
         """PeerLostError unless ``peer`` is connected to this engine and alive (a lost one is forgotten)."""
@@ -306,12 +348,12 @@ class ReaderRole(Endpoint):
 
     def _read_direct(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
                      rids: npt.NDArray[np.int64], plan: ReadPlan | None, reason: str, notify: bytes,
-                     deadline: float, started: float) -> TransferHandle:
+                     deadline: float, started: float, mode: str | None = None) -> TransferHandle:
         notif = NOTIF_PREFIX + transfer_id.encode() + b":" + notify
         rmem: MemType = peer.info.mem_type
         try:
             request: DirectRequest
-            if self.config.direct_mode == "prepped":
+            if (mode or self.config.direct_mode) == "prepped":
                 if self._local_dlist is None:
                     self._local_dlist = self._agent.prep_dlist(None, all_pieces(self.side), self.mem_type)
                 if peer.remote_dlist is None:
