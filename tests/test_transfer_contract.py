@@ -86,6 +86,30 @@ def test_read_rejects_bad_arguments_with_named_errors(reader: tuple[TransferEngi
     assert engine.stats()["active_transfers"] == 0
 
 
+LAYERED = {"local_ids": [0, 1], "remote_ids": [2, 3], "groups": 2, "notify": b"", "timeout": 5.0}
+LAYERED_ANYWAY = {("groups", "None"), ("timeout", "None"), ("timeout", "4.5"), ("timeout", str(2**70)),
+                  ("notify", str(b"4"))}
+
+
+@settings(max_examples=80, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(argument=st.sampled_from(sorted(LAYERED)), value=st.sampled_from(WRONG))
+def test_read_layers_rejects_bad_arguments_with_named_errors(reader: tuple[TransferEngine, Any, Peer],
+                                                             argument: str, value: Any) -> None:
+    engine, cache, peer = reader
+    if (argument, str(value)) in LAYERED_ANYWAY:
+        return
+    kwargs = {**LAYERED, argument: value}
+    handle = None
+    with contextlib.suppress(KVShuttleError):
+        handle = engine.read_layers(peer, kwargs.pop("local_ids"), kwargs.pop("remote_ids"), **kwargs)
+    if handle is not None:
+        handle.release()
+        pytest.fail(f"read_layers accepted {argument}={value!r}")
+    assert untouched(cache)
+    assert engine.stats()["active_transfers"] == 0
+
+
 @pytest.mark.parametrize("argument, value", [
     ("num_tokens", 40.5), ("num_tokens", "32"), ("num_tokens", True), ("num_heads", 2.0), ("num_heads", "2"),
     ("num_heads", 0), ("path", "fast"), ("timeout", -1.0), ("notify", "text"), ("local_head_offset", 1.5),
