@@ -28,6 +28,7 @@ from ._nixl import MemType, NixlAgent, NixlCallError
 from .errors import (
     BlockRangeError,
     PeerLostError,
+    PeerUnreachableError,
     ProtocolError,
     RemoteError,
     StagingExhaustedError,
@@ -200,6 +201,9 @@ class _Pipeline:
             s.peer.mark_lost(str(exc))
         except ProtocolError as exc:
             error, healthy = exc, False
+        except PeerUnreachableError as exc:  # it served this read moments ago: refusing now, its process is gone
+            error, healthy = PeerLostError(f"packed transfer {self.transfer_id}: {exc}"), False
+            s.peer.mark_lost(str(exc))
         except TransferError as exc:
             error = exc
         except NixlCallError as exc:
