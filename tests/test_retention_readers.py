@@ -25,17 +25,10 @@ from kvshuttle.retention import (
 )
 from kvshuttle.transfer.claims import claim_request, serve_claim
 from kvshuttle.trust import DeploymentSecret
+from test_retention import Clock
 
 BS = 16
 BAD_READERS: list[Any] = [0, 65, -1, True, False, "2", 2.0, None, [2], 2**64]
-
-
-@dataclass
-class Clock:
-    now: float = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -67,45 +67,29 @@ VALID_ANYWAY = {("num_tokens", "None"), ("num_heads", "None"), ("timeout", "None
                 ("timeout", str(2**70)), ("notify", str(b"4"))}
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(argument=st.sampled_from(sorted(VALID)), value=st.sampled_from(WRONG))
-def test_read_rejects_bad_arguments_with_named_errors(reader: tuple[TransferEngine, Any, Peer], argument: str,
-                                                      value: Any) -> None:
-    engine, cache, peer = reader
-    if (argument, str(value)) in VALID_ANYWAY:  # defaults, and a timeout of 10**21 s (just very patient)
-        return
-    kwargs = {**VALID, argument: value}
-    handle = None
-    with contextlib.suppress(KVShuttleError):
-        handle = engine.read(peer, kwargs.pop("local_ids"), kwargs.pop("remote_ids"), **kwargs)
-    if handle is not None:
-        handle.release()
-        pytest.fail(f"read accepted {argument}={value!r}")
-    assert untouched(cache)
-    assert engine.stats()["active_transfers"] == 0
-
-
 LAYERED = {"local_ids": [0, 1], "remote_ids": [2, 3], "groups": 2, "notify": b"", "timeout": 5.0}
 LAYERED_ANYWAY = {("groups", "None"), ("timeout", "None"), ("timeout", "4.5"), ("timeout", str(2**70)),
                   ("notify", str(b"4"))}
+ENTRIES = {"read": (VALID, VALID_ANYWAY), "read_layers": (LAYERED, LAYERED_ANYWAY)}
 
 
-@settings(max_examples=80, deadline=None, derandomize=True,
+@settings(max_examples=230, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(argument=st.sampled_from(sorted(LAYERED)), value=st.sampled_from(WRONG))
-def test_read_layers_rejects_bad_arguments_with_named_errors(reader: tuple[TransferEngine, Any, Peer],
-                                                             argument: str, value: Any) -> None:
+@given(call=st.sampled_from(sorted(ENTRIES)), data=st.data())
+def test_reads_reject_bad_arguments_with_named_errors(reader: tuple[TransferEngine, Any, Peer], call: str,
+                                                      data: st.DataObject) -> None:
     engine, cache, peer = reader
-    if (argument, str(value)) in LAYERED_ANYWAY:
+    valid, anyway = ENTRIES[call]
+    argument, value = data.draw(st.sampled_from(sorted(valid))), data.draw(st.sampled_from(WRONG))
+    if (argument, str(value)) in anyway:  # defaults, and a timeout of 10**21 s (just very patient)
         return
-    kwargs = {**LAYERED, argument: value}
+    kwargs = {**valid, argument: value}
     handle = None
     with contextlib.suppress(KVShuttleError):
-        handle = engine.read_layers(peer, kwargs.pop("local_ids"), kwargs.pop("remote_ids"), **kwargs)
+        handle = getattr(engine, call)(peer, kwargs.pop("local_ids"), kwargs.pop("remote_ids"), **kwargs)
     if handle is not None:
         handle.release()
-        pytest.fail(f"read_layers accepted {argument}={value!r}")
+        pytest.fail(f"{call} accepted {argument}={value!r}")
     assert untouched(cache)
     assert engine.stats()["active_transfers"] == 0
 
