@@ -234,14 +234,9 @@ class PagedKVCache:
         if not isinstance(kv_caches, Mapping):
             raise LayoutError(f"kv_caches must be vLLM's dict of layer name -> per-layer view, got "
                               f"{type(kv_caches).__name__}")
-        layers, seen = [], set()
-        for tensor in kv_caches.values():
-            view = describe(tensor)
-            key = (view.address, view.shape, view.strides, view.dtype)
-            if key not in seen:
-                seen.add(key)
-                layers.append(tensor)
-        return cls.from_arrays(layers, kind, order)
+        index = vllm_layer_index(kv_caches)
+        first = {k: name for name, k in reversed(index.items())}  # each layer's first name
+        return cls.from_arrays([kv_caches[first[k]] for k in range(len(first))], kind, order)
 
     @property
     def is_cuda(self) -> bool:
@@ -256,3 +251,14 @@ class PagedKVCache:
         span, merged where spans overlap (layers interleaved per block) or touch inside one allocation."""
         size = self.geometry.layer_span_bytes
         return merged_regions([(v.address, v.address + size, allocation_of(v.owner)) for v in self.layers])
+
+
+def vllm_layer_index(kv_caches: Mapping[str, Any]) -> dict[str, int]:
+    """Each of vLLM's layer names -> its layer's index in :meth:`PagedKVCache.from_vllm` (names whose views are one
+    tensor, vLLM's cross-layer KV sharing, share an index). What ``wait_for_layer_load(layer_name)`` waits on."""
+    index: dict[str, int] = {}
+    layers: dict[tuple[Any, ...], int] = {}
+    for name, tensor in kv_caches.items():
+        view = describe(tensor)
+        index[name] = layers.setdefault((view.address, view.shape, view.strides, view.dtype), len(layers))
+    return index

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypedDict
 
 import numpy as np
@@ -106,6 +106,20 @@ class Decision:
     def fetch_token_range(self) -> range:
         start = self.fetch_blocks.start * self.block_size
         return range(start, start + self.fetch_tokens)
+
+    def whole_blocks(self) -> Decision | None:
+        """This fetch cut back to whole blocks (None when less than one block is left). A read posted while the
+        forward pass writes the suffix must not share a block with it: the direct path copies whole blocks."""
+        if not self.fetch or self.fetch_tokens % self.block_size == 0:
+            return self
+        count = self.fetch_tokens // self.block_size
+        if count == 0:
+            return None
+        tokens = count * self.block_size
+        return replace(self, fetch_tokens=tokens, reused_tokens=self.local_tokens + tokens,
+                       fetch_blocks=range(self.fetch_blocks.start, self.fetch_blocks.start + count),
+                       remote_block_ids=self.remote_block_ids[:count],
+                       message=f"{self.message}; {tokens} tokens read (whole blocks)")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from ..transfer import (
     ClaimRefusedError,
     ClaimTicket,
     IncompatiblePeerError,
+    LayeredTransfer,
+    LayerProgress,
     Peer,
     TransferEngine,
     TransferError,
@@ -91,8 +93,24 @@ def owner_rank_address(handle: KVHandle, rank: int) -> tuple[str, str]:
 
 
 def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64],
-                 num_tokens: int, *, started: float, unknown_grace_s: float, deadline: float) -> ReuseResult:
-    """:meth:`ReuseReader.fetch` when either side runs tensor parallel; see the module docstring."""
+                 num_tokens: int, *, started: float, unknown_grace_s: float, deadline: float,
+                 progress: LayerProgress | None = None) -> ReuseResult:
+    """:meth:`ReuseReader.fetch` for every TP pair; see the module docstring. ``progress``: read layer by layer
+    and report each layer as it lands (ended once the read is confirmed, or failed)."""
+    ok = False
+    try:
+        result = _fetch_ranked(reader, decision, handle, local_ids, num_tokens, started=started,
+                               unknown_grace_s=unknown_grace_s, deadline=deadline, progress=progress)
+        ok = result.action == "fetched"
+        return result
+    finally:  # whatever happened (an exception too), whoever waits on the layers stops waiting
+        if progress is not None:
+            progress.end(ok)
+
+
+def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64],
+                  num_tokens: int, *, started: float, unknown_grace_s: float, deadline: float,
+                  progress: LayerProgress | None) -> ReuseResult:
     try:
         slices = plan_rank_reads(reader.num_kv_heads, reader.tp_size, reader.tp_rank, handle.tp_size)
         involved = sorted({s.owner_rank for s in slices})
@@ -122,7 +140,8 @@ def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loca
                 claim_s += time.perf_counter() - t0
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
-        telemetry = _read_slices(reader, decision, local_ids, slices, peers, tickets, addresses, deadline)
+        telemetry = _read_slices(reader, decision, local_ids, slices, peers, tickets, addresses, deadline,
+                                 progress)
         t0 = time.perf_counter()
         for rank in involved:
             ticket = tickets.pop(rank)  # confirming ends the claim either way: nothing left to unpin on this rank
@@ -152,17 +171,22 @@ def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loca
 
 def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray[np.int64],
                  slices: tuple[HeadSlice, ...], peers: dict[int, Peer], tickets: dict[int, ClaimTicket],
-                 addresses: dict[int, tuple[str, str]], deadline: float) -> TransferTelemetry:
-    """Start every slice's read, then wait for all; _RankFailed names the first rank whose read failed."""
+                 addresses: dict[int, tuple[str, str]], deadline: float,
+                 progress: LayerProgress | None) -> TransferTelemetry:
+    """Start every slice's read, then wait for all; _RankFailed names the first rank whose read failed. With
+    ``progress``, a slice that can be read directly is read layer by layer, and each layer is reported once it
+    has landed from every slice (a slice that cannot, a head slice, lands whole)."""
     local_heads = reader.engine.cache.geometry.num_heads
-    telemetry: list[TransferTelemetry] = []
     with contextlib.ExitStack() as running:  # a failure releases (cancels) every read still in flight
-        started: list[tuple[int, TransferHandle]] = []
+        started: list[tuple[int, TransferHandle | LayeredTransfer]] = []
         for s in slices:
-            whole = s.num_heads == local_heads == peers[s.owner_rank].info.cache.num_heads
+            peer = peers[s.owner_rank]
+            whole = s.num_heads == local_heads == peer.info.cache.num_heads
             try:
-                transfer = reader.engine.read(
-                    peers[s.owner_rank], local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
+                layered = _layered_read(reader, peer, local_ids, decision, deadline) \
+                    if progress is not None and whole else None
+                transfer: TransferHandle | LayeredTransfer = layered if layered is not None else reader.engine.read(
+                    peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
                     path=reader.path if whole else "packed", timeout=_left(deadline), num_heads=s.num_heads,
                     local_head_offset=s.reader_head_offset, remote_head_offset=s.owner_head_offset,
                     claim=tickets[s.owner_rank])
@@ -170,12 +194,36 @@ def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray
                 raise _RankFailed(s.owner_rank, _shown_address(addresses[s.owner_rank]), exc) from exc
             running.enter_context(transfer)
             started.append((s.owner_rank, transfer))
-        for rank, transfer in started:
+        for layer in range(progress.num_layers if progress is not None else 0):
+            for rank, transfer in started:
+                try:
+                    if isinstance(transfer, LayeredTransfer):
+                        transfer.wait_layer(layer, _left(deadline))
+                    elif layer == 0:
+                        transfer.wait(_left(deadline))
+                except TransferError as exc:
+                    raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
+            assert progress is not None
+            progress.advance(layer + 1)
+        telemetry: list[TransferTelemetry] = []
+        for rank, transfer in started:  # (already landed when read layer by layer)
             try:
                 telemetry.append(transfer.wait(_left(deadline)))
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
     return _combined(telemetry)
+
+
+def _layered_read(reader: ReuseReader, peer: Peer, local_ids: npt.NDArray[np.int64], decision: Decision,
+                  deadline: float) -> LayeredTransfer | None:
+    """A direct read posted per layer, or None where it cannot be (the packed path asked for, differing layouts,
+    a block-major cache): the caller reads that slice whole."""
+    if reader.path == "packed" or peer.layout_difference is not None:
+        return None
+    try:
+        return reader.engine.read_layers(peer, local_ids, decision.remote_block_ids, timeout=_left(deadline))
+    except IncompatiblePeerError:  # checked before anything was posted
+        return None
 
 
 def _check_shard(peer: Peer, num_kv_heads: int, owner_tp: int, rank: int) -> None:

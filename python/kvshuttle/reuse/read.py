@@ -34,6 +34,7 @@ from ..transfer import (
     ClaimRefusedError,
     ClaimTicket,
     IncompatiblePeerError,
+    LayerProgress,
     Peer,
     PeerLostError,
     PeerUnreachableError,
@@ -313,7 +314,7 @@ class ReuseReader:
 
     def fetch(self, decision: Decision, handle: KVHandle, local_ids: Sequence[int] | npt.NDArray[np.int64],
               num_tokens: int, *, started: float | None = None, unknown_grace_s: float = 0.0,
-              deadline: float | None = None) -> ReuseResult:
+              deadline: float | None = None, progress: LayerProgress | None = None) -> ReuseResult:
         """Claim, read and confirm what ``decision`` (a fetch) names into ``local_ids``: the second half of
         :meth:`read`, for a caller that decided elsewhere (vLLM's scheduler decides, its worker fetches).
 
@@ -321,7 +322,9 @@ class ReuseReader:
         ``unknown_grace_s``: how long to retry a claim the owner refuses as unknown (its ledger may learn of a
         just-issued handle a step later than the reader got it). ``deadline`` (``time.monotonic()``; default
         ``timeout_s`` from now): when the whole fetch must be over, counted by the caller from when it decided,
-        so time spent queued counts too.
+        so time spent queued counts too. ``progress``: read layer by layer (where the path is direct) and report
+        each layer on it as it lands, for a forward pass that computes layer i while later layers still arrive;
+        it is ended when the fetch is over (``ok`` only once every rank confirmed the read).
         """
         started = time.perf_counter() if started is None else started
         local_ids = np.asarray(local_ids, dtype=np.int64)
@@ -329,7 +332,7 @@ class ReuseReader:
                                                                                    + self.timeout_s)
         # one implementation for every TP pair: a single owner is owner rank 0 of TP=1, read as one head slice
         return fetch_ranked(self, decision, handle, local_ids, num_tokens, started=started,
-                            unknown_grace_s=unknown_grace_s, deadline=deadline)
+                            unknown_grace_s=unknown_grace_s, deadline=deadline, progress=progress)
 
     def _claim(self, peer: Peer, handle: KVHandle, num_blocks: int, deadline: float,
                grace_until: float, *, readers: int = 1) -> ClaimTicket:

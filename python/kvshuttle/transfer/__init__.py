@@ -28,7 +28,7 @@ from .errors import (
     TransferError,
     TransferTimeoutError,
 )
-from .layered import LayeredTransfer
+from .layered import LayeredTransfer, LayerProgress
 from .owner import OwnerRole, ReadNotice
 from .peer import Peer
 from .reader import ReaderRole
@@ -43,6 +43,7 @@ __all__ = [
     "EngineConfig",
     "HandleBoard",
     "IncompatiblePeerError",
+    "LayerProgress",
     "LayeredTransfer",
     "NixlUnavailableError",
     "OwnerRole",

@@ -8,6 +8,7 @@ NIXL request, deadline and release); this handle only maps layers to them and en
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -88,3 +89,44 @@ class LayeredTransfer:
 
     def __repr__(self) -> str:
         return f"<LayeredTransfer {self.transfer_id} {len(self.groups)} groups {self.state.value}>"
+
+
+class LayerProgress:
+    """How far a layer-pipelined load has landed, shared by the thread that drives the read and the forward pass
+    that waits for it: layers ``0 .. landed - 1`` are in the local cache. ``end(ok)`` closes it (``ok``: the whole
+    read landed and the owner confirmed it); a wait never outlasts its timeout. Thread-safe."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._changed = threading.Condition()
+        self._landed = 0
+        self._ended: bool | None = None  # None while the read runs; then whether it succeeded
+
+    @property
+    def landed(self) -> int:
+        return self._landed
+
+    @property
+    def ended(self) -> bool | None:
+        return self._ended
+
+    def advance(self, landed: int) -> None:
+        with self._changed:
+            if self._ended is None and landed > self._landed:
+                self._landed = min(landed, self.num_layers)
+                self._changed.notify_all()
+
+    def end(self, ok: bool) -> None:
+        """The read is over: every layer landed and was confirmed (``ok``), or it failed (nothing more lands)."""
+        with self._changed:
+            if self._ended is None:
+                self._ended = bool(ok)
+                if ok:
+                    self._landed = self.num_layers
+                self._changed.notify_all()
+
+    def wait(self, layer: int, timeout: float) -> bool:
+        """Block until ``layer`` has landed (True) or the read failed or ``timeout`` passed (False)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._landed > layer or self._ended is not None, max(timeout, 0.0))
+            return self._landed > layer and self._ended is not False

@@ -102,10 +102,12 @@ def _on_cpu() -> bool:
 
 @dataclass(frozen=True)
 class Parallel:
-    """How an engine splits the model: ``tp_size`` tensor-parallel ranks over ``num_kv_heads`` KV heads."""
+    """How an engine splits the model: ``tp_size`` tensor-parallel ranks over ``num_kv_heads`` KV heads, and its
+    ``num_layers`` attention layers (0: unknown)."""
 
     tp_size: int
     num_kv_heads: int
+    num_layers: int = 0
 
 
 def parallel_layout(vllm_config: Any) -> Parallel:
@@ -120,7 +122,8 @@ def parallel_layout(vllm_config: Any) -> Parallel:
         raise ValueError(f"kvshuttle's connector supports tensor parallelism only, not {beyond}: every rank must "
                          "hold every layer and token of its KV heads")
     model_config = vllm_config.model_config
-    return Parallel(tp, int(model_config.get_total_num_kv_heads()))
+    layers = getattr(model_config, "get_num_layers", None)
+    return Parallel(tp, int(model_config.get_total_num_kv_heads()), int(layers(parallel)) if layers else 0)
 
 
 def worker_tp_rank() -> int:

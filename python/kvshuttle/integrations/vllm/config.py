@@ -18,6 +18,10 @@ from ...trust import DeploymentSecret
 
 Retain = Literal["granted", "always"]
 RETAIN: tuple[Retain, ...] = ("granted", "always")
+# How a read is loaded: "async" (vLLM waits for the whole read, then schedules the suffix in a later step),
+# "layered" (the suffix is computed in the same step, layer i as soon as layer i's KV landed), or "auto"
+LoadMode = Literal["async", "layered", "auto"]
+LOAD_MODES: tuple[LoadMode, ...] = ("async", "layered", "auto")
 # Without kvshuttle_retention_budget_blocks, retention may hold at most this share of the engine's KV blocks: what
 # a decode keeps for later turns is memory its own running requests cannot use, so retention can never take more
 # than a quarter of them and the requests it serves now always keep at least 75% (the least recently used
@@ -54,6 +58,10 @@ class ShuttleConfig:
     # cores are oversubscribed, where a busy owner's heartbeats can be late
     peer_timeout_s: float = 1.0
     max_concurrent_loads: int = 4  # kvshuttle_max_concurrent_loads: loads the worker runs at once
+    load_mode: LoadMode = "async"  # kvshuttle_load_mode
+    # kvshuttle_layered_timeout_s: the longest a layer-pipelined load may hold up the step's forward pass (every
+    # request in the batch waits for it); past it the load is cancelled and its blocks recomputed
+    layered_timeout_s: float = 2.0
     digest_key: str = ""  # kvshuttle_digest_key: mixed into every block digest (default: the model)
     cost_model: Mapping[str, float] | None = None  # kvshuttle_cost_model: PolicyConfig cost inputs
     # kvshuttle_secret_file: the deployment secret's file (else KVSHUTTLE_SECRET[_FILE], else the local secret);
@@ -85,7 +93,8 @@ class ShuttleConfig:
                  "kvshuttle_host", "kvshuttle_port", "kvshuttle_load_timeout_s", "kvshuttle_digest_key",
                  "kvshuttle_cost_model", "kvshuttle_retention_budget_fraction", "kvshuttle_retain",
                  "kvshuttle_max_ttl_s", "kvshuttle_advertise_host", "kvshuttle_max_concurrent_loads",
-                 "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s"}
+                 "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s",
+                 "kvshuttle_load_mode", "kvshuttle_layered_timeout_s"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
@@ -121,6 +130,8 @@ class ShuttleConfig:
             load_timeout_s=_seconds(extra, "kvshuttle_load_timeout_s", 10.0),
             peer_timeout_s=_seconds(extra, "kvshuttle_peer_timeout_s", 1.0),
             max_concurrent_loads=_int(extra, "kvshuttle_max_concurrent_loads", 4, minimum=1),
+            load_mode=_choice(extra, "kvshuttle_load_mode", "async", LOAD_MODES),
+            layered_timeout_s=_seconds(extra, "kvshuttle_layered_timeout_s", 2.0),
             digest_key=str(extra.get("kvshuttle_digest_key", model)),
             cost_model=None if cost is None else {str(k): float(v) for k, v in cost.items()},
             secret_file=_optional_text(extra, "kvshuttle_secret_file"),

@@ -54,7 +54,8 @@ class KVShuttleConnector(KVConnectorBase_V1):
         block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
             force_recompute_on_load_failure(vllm_config)
-            self._attach(ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size), None)
+            self._attach(ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size,
+                                           num_layers=parallel.num_layers), None)
         else:  # one worker per tensor-parallel rank, each serving and reading its own head shard
             rank = worker_tp_rank() if parallel.tp_size > 1 else 0
             self._attach(None, ShuttleWorker(config, engine_id, block_size, tp_rank=rank, tp_size=parallel.tp_size,
@@ -150,13 +151,25 @@ class KVShuttleConnector(KVConnectorBase_V1):
             self._guard.failed("start_load_kv", exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """vLLM's attention wrapper, on entry to each layer: a layer-pipelined load's layer must have landed."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.wait_for_layer(layer_name)
+        except Exception as exc:  # nothing credited: the step's layered loads are reported invalid
+            self._guard.failed("wait_for_layer_load", exc)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        """After the forward pass: settle this step's layer-pipelined loads (failures become invalid blocks)."""
+        if self._worker is None:
+            return
+        try:
+            self._worker.settle_layered()
+        except Exception as exc:
+            self._guard.failed("wait_for_save", exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

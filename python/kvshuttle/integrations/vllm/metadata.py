@@ -16,7 +16,10 @@ from .compat import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnect
 @dataclass(frozen=True)
 class LoadJob:
     """Read ``decision``'s blocks of ``handle`` (authenticated by the scheduler) into ``local_block_ids`` for
-    ``request_id``. ``failure`` (no handle): report the load failed at once, its blocks invalid.
+    ``request_id``. ``failure`` (no handle): report the load failed at once, its blocks invalid. ``layered``: vLLM
+    computes the request in this very step (a synchronous load): the worker reads layer by layer, the forward
+    pass waits for each layer (``wait_for_layer_load``), and a failure is reported as invalid blocks in this step
+    (never in ``finished_recving``, which vLLM keeps for asynchronous loads).
 
     ``decided_at`` is ``time.monotonic()`` in the EngineCore process when the load was scheduled; the load's
     deadline counts from it (``+ kvshuttle_load_timeout_s``), not from when the worker gets to it. The worker
@@ -30,6 +33,7 @@ class LoadJob:
     num_tokens: int  # prompt length
     decided_at: float
     failure: str = ""
+    layered: bool = False
 
 
 @dataclass(frozen=True)

@@ -53,17 +53,19 @@ CONSUMED = PREFIX + "consumed"  # set in a request's params once its load is sch
 
 class ShuttleScheduler:
     def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
-                 secret: DeploymentSecret | None = None, tp_size: int = 1) -> None:
+                 secret: DeploymentSecret | None = None, tp_size: int = 1, num_layers: int = 0) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
+        self.num_layers = num_layers  # 0: unknown
         self.policy = config.policy()
         self.secret = secret if secret is not None else config.deployment_secret()
         self._ranks: tuple[ShuttleHandshake, ...] = ()  # every rank's side channel, once all reported
         self._releases: list[str] = []  # retentions that ended on some rank: end them on every rank
         self._ending: set[str] = set()  # of the held requests, those every rank was told to end
-        self._decisions: dict[str, tuple[int, Decision, KVHandle]] = {}  # request -> awaiting alloc
+        # request -> (local hit, decision, handle, layered), awaiting its allocation
+        self._decisions: dict[str, tuple[int, Decision, KVHandle, bool]] = {}
         self._loads: list[LoadJob] = []
         self._retains: list[RetainJob] = []
         self._publications: list[Publication] = []
@@ -98,7 +100,8 @@ class ShuttleScheduler:
 
     # -- admission ------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens to read (asynchronously) beyond the local hit; (0, False) to compute them. No side effects
+        """Tokens to read beyond the local hit, and whether asynchronously (vLLM waits for the read, then schedules
+        the suffix) or not (layer-pipelined: computed in this step); (0, False) to compute them. No side effects
         on vLLM's state: it may ask again for the same request."""
         self._decisions.pop(request.request_id, None)  # asked again: decide afresh
         params = request.kv_transfer_params
@@ -131,26 +134,47 @@ class ShuttleScheduler:
         if not decision.fetch:
             self._record(request.request_id, decision)
             return 0, False
-        self._decisions[request.request_id] = (num_computed_tokens, decision, handle)
-        return decision.fetch_tokens, True
+        layered = self._layered(decision, handle)
+        whole = decision.whole_blocks() if layered else None
+        if whole is None:  # less than a block to read layer by layer: read it the asynchronous way
+            layered = False
+        else:
+            decision = whole
+        self._decisions[request.request_id] = (num_computed_tokens, decision, handle, layered)
+        return decision.fetch_tokens, not layered  # layered: a synchronous load, computed in this step
 
+    def _layered(self, decision: Decision, handle: KVHandle) -> bool:
+        """Whether to read this fetch layer by layer (``kvshuttle_load_mode``). ``auto``: where the reads are
+        direct (owner and reader at the same TP size: whole heads; a head slice is packed and lands whole), the
+        model has more than one layer to overlap, and the cost model (if set) expects the read to take at most
+        half of ``kvshuttle_layered_timeout_s``, the longest it may hold up the step's forward pass."""
+        mode = self.config.load_mode
+        if mode != "auto":
+            return mode == "layered"
+        expected = decision.cost.transfer_s if decision.cost is not None else 0.0
+        return handle.tp_size == self.tp_size and self.num_layers != 1 \
+            and expected <= self.config.layered_timeout_s / 2
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        held = self._decisions.pop(request.request_id, None)
+        held = self._decisions.get(request.request_id)  # kept until the commit: fail_load needs it
         if num_external_tokens <= 0 or held is None:
+            self._decisions.pop(request.request_id, None)
             if num_external_tokens > 0:  # vLLM waits for a load this side never planned: report it failed
                 self.fail_load(request, blocks, num_external_tokens, "no decision was held for it")
             return
-        local_hit, decision, handle = held
+        local_hit, decision, handle, layered = held
         table = block_table(blocks)
         first = local_hit // self.block_size
         local = tuple(table[first:first + blocks_for_tokens(decision.fetch_tokens, self.block_size)])
-        job = LoadJob(request.request_id, handle, decision, local, len(request.prompt_token_ids), time.monotonic())
+        job = LoadJob(request.request_id, handle, decision, local, len(request.prompt_token_ids), time.monotonic(),
+                      layered=layered)
         self._record(request.request_id, decision)
         # commit last (nothing below can fail): a load is queued exactly when vLLM waits for it
+        del self._decisions[request.request_id]
         request.kv_transfer_params[CONSUMED] = True  # the same dict survives preemption: never load twice
         self._reads[request.request_id] = (decision.fetch_tokens, frozenset(local))
         self._loads.append(job)
-        self._awaiting.add(request.request_id)
+        if not layered:  # vLLM waits for finished_recving only for an asynchronous load
+            self._awaiting.add(request.request_id)
 
     def fail_load(self, request: Any, blocks: Any, num_external_tokens: int, why: str) -> None:
         """vLLM waits for ``num_external_tokens`` of ``request`` that will not come (a bug on this side): queue a
@@ -168,9 +192,12 @@ class ShuttleScheduler:
         first = local_hit // self.block_size
         local = tuple(table[first:first + blocks_for_tokens(num_external_tokens, self.block_size)])
         decision = held[1] if held is not None else Decision("recompute", Reason.NO_HANDLE, why)
+        layered = held is not None and held[3]  # a synchronous load: its blocks are reported invalid, nothing else
         self._reads.pop(request_id, None)
-        self._loads.append(LoadJob(request_id, None, decision, local, 0, time.monotonic(), failure=why))
-        self._awaiting.add(request_id)
+        self._loads.append(LoadJob(request_id, None, decision, local, 0, time.monotonic(), failure=why,
+                                   layered=layered))
+        if not layered:
+            self._awaiting.add(request_id)
         self._count("load_failed")
 
     def build_connector_meta(self) -> ShuttleMetadata:

@@ -25,12 +25,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ...core.layout import PagedKVCache
+from ...core.layout import PagedKVCache, vllm_layer_index
 from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
-from ...transfer import EngineConfig, HandleBoard, TransferEngine
+from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
 from ...trust import DeploymentSecret
 from .config import ConnectorConfigError, ShuttleConfig
+from .layered import LayeredLoads, load_failure
 from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata, ShuttleWorkerMeta
 from .stats import ShuttleStats
 
@@ -54,7 +55,8 @@ class ShuttleWorker:
         self._loader = ThreadPoolExecutor(config.max_concurrent_loads, thread_name_prefix="kvshuttle-load")
         self._lock = threading.Lock()
         self._loading: dict[str, tuple[Future[ReuseResult], LoadJob]] = {}  # submitted, not yet reported
-        self._failed: dict[str, tuple[int, ...]] = {}  # loads that never ran: reported failed next step
+        self._failed: dict[str, tuple[tuple[int, ...], bool]] = {}  # loads that never ran -> (blocks, layered)
+        self.layered = LayeredLoads({}, 0)  # this step's layer-pipelined loads (layered.py)
         self._retained: dict[str, str] = {}  # request -> handle id: its RetainJob came here, not reported yet
         self._ended: set[str] = set()  # retentions that ended here since the last worker_meta (TP > 1)
         self._released: set[str] = set()  # of those, the ones whose retention ended
@@ -92,6 +94,7 @@ class ShuttleWorker:
                                       bytes_per_block=g.block_size * g.bytes_per_token, on_release=self._on_release)
         self.engine.claims = self.ledger
         self.engine.board = self.board
+        self.layered = LayeredLoads(vllm_layer_index(kv_caches), g.num_layers)
         self.reader = ReuseReader(self.engine, c.policy(), timeout_s=c.load_timeout_s, path=c.path,
                                   allowed_owners=c.allowed_owners, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                   num_kv_heads=self.num_kv_heads)
@@ -129,8 +132,28 @@ class ShuttleWorker:
         for load in meta.loads:
             self._submit(load)
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """The forward pass is about to compute ``layer_name``: wait until this step's layer-pipelined loads have
+        landed it (layered.py). Never raises."""
+        self.layered.wait_layer(layer_name)
+
+    def settle_layered(self) -> None:
+        """After the forward pass: end this step's layer-pipelined loads; those that must recompute have their
+        blocks reported invalid in this step's output. Idempotent; never raises."""
+        if not len(self.layered):
+            return
+        settled = self.layered.settle()
+        with self._lock:
+            for result in settled:
+                self._stats.add_result(result)
+                self._load_errors.update(result.invalid_block_ids)
+            self._stats.data["layered.loads"] = self._stats.data.get("layered.loads", 0) + len(settled)
+            self._stats.data["layered.wait_s"] = self._stats.data.get("layered.wait_s", 0.0) + self.layered.waited_s
+            self.layered.waited_s = 0.0
+
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) since the last call. Never raises."""
+        self.settle_layered()  # (vLLM calls wait_for_save first; this is the backstop)
         self._step += 1
         self._sweep()
         self._drain_notifications()
@@ -156,9 +179,10 @@ class ShuttleWorker:
                 result = self._outcome(future, job)
                 self._stats.add_result(result)
                 self._load_errors.update(result.invalid_block_ids)
-            for request_id, blocks in self._failed.items():
+            for request_id, (blocks, layered) in self._failed.items():
                 self._load_errors.update(blocks)
-                done.add(request_id)
+                if not layered:  # vLLM waits for an asynchronous load's finished_recving, never a synchronous one's
+                    done.add(request_id)
                 self._stats.data["read.not_started"] = self._stats.data.get("read.not_started", 0) + 1
             self._failed.clear()
         return sending, done
@@ -173,6 +197,7 @@ class ShuttleWorker:
         return stats
 
     def load_errors(self) -> set[int]:
+        self.settle_layered()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -228,35 +253,47 @@ class ShuttleWorker:
         return False
 
     def _submit(self, job: LoadJob) -> None:
-        if job.failure or job.handle is None or self.reader is None:
-            log.info("kvshuttle: request %s recomputes, because its load could not start: %s", job.request_id,
-                     job.failure or "no reader")
+        why = job.failure or ("" if job.handle is not None and self.reader is not None else "no reader")
+        progress = self.layered.progress() if job.layered else None
+        if not why:
+            try:
+                future = self._loader.submit(self._load, job, progress)
+            except RuntimeError as exc:  # the pool is shut down
+                why = str(exc)
+        if why:
+            log.info("kvshuttle: request %s recomputes, because its load could not start: %s", job.request_id, why)
             with self._lock:
-                self._failed[job.request_id] = tuple(job.local_block_ids)
+                self._failed[job.request_id] = (tuple(job.local_block_ids), job.layered)
             return
-        try:
-            future = self._loader.submit(self._load, job)
-        except RuntimeError as exc:  # the pool is shut down
-            log.info("kvshuttle: request %s recomputes, because its load could not start: %s", job.request_id, exc)
-            with self._lock:
-                self._failed[job.request_id] = tuple(job.local_block_ids)
+        if progress is not None:  # waited for layer by layer in this step's forward pass
+            self.layered.add(job, future, progress, job.decided_at + self._timeout(job))
             return
         with self._lock:
             self._loading[job.request_id] = (future, job)
 
-    def _load(self, job: LoadJob) -> ReuseResult:
+    def _timeout(self, job: LoadJob) -> float:
+        """A load's budget from its scheduling decision; a layered one also holds up the step's forward pass."""
+        c = self.config
+        return min(c.load_timeout_s, c.layered_timeout_s) if job.layered else c.load_timeout_s
+
+    def _load(self, job: LoadJob, progress: LayerProgress | None = None) -> ReuseResult:
         assert self.reader is not None and job.handle is not None
-        deadline = job.decided_at + self.config.load_timeout_s
+        budget = self._timeout(job)
+        deadline = job.decided_at + budget
         try:
             if time.monotonic() >= deadline:  # it waited out its whole budget in the queue
-                result = self._failure(job, Failure.TRANSFER_TIMEOUT, f"the load waited {self.config.load_timeout_s:g} "
-                                       "s (kvshuttle_load_timeout_s) for a loader thread")
+                result = load_failure(job, Failure.TRANSFER_TIMEOUT, f"the load waited {budget:g} s (its whole "
+                                      "budget) for a loader thread")
             else:
                 result = self.reader.fetch(job.decision, job.handle, job.local_block_ids, job.num_tokens,
-                                           unknown_grace_s=UNKNOWN_HANDLE_GRACE_S, deadline=deadline)
+                                           unknown_grace_s=UNKNOWN_HANDLE_GRACE_S, deadline=deadline,
+                                           progress=progress)
         except Exception as exc:  # a bug must cost a recompute, never the engine
             log.exception("kvshuttle: load of request %s failed", job.request_id)
-            result = self._failure(job, Failure.TRANSFER_FAILED, repr(exc))
+            result = load_failure(job, Failure.TRANSFER_FAILED, repr(exc))
+        finally:
+            if progress is not None:  # (ended by the fetch already, unless it never ran)
+                progress.end(False)
         if result.action == "fetched":
             telemetry = result.telemetry
             log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %d descriptors, %s path) in %.1f ms",
@@ -271,13 +308,7 @@ class ShuttleWorker:
         try:
             return future.result()
         except BaseException as exc:  # cancelled at shutdown: the blocks were never written
-            return self._failure(job, Failure.TRANSFER_FAILED, repr(exc))
-
-    @staticmethod
-    def _failure(job: LoadJob, failure: Failure, why: str) -> ReuseResult:
-        local = job.decision.local_tokens
-        return ReuseResult("local" if local > 0 else "recompute", failure.value, f"recompute, because {why}",
-                           job.num_tokens, local, 0, tuple(job.local_block_ids), job.decision)
+            return load_failure(job, Failure.TRANSFER_FAILED, repr(exc))
 
     def _sweep(self) -> None:
         if self.ledger is None:

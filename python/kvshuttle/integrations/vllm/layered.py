@@ -1,0 +1,111 @@
+"""Layer-pipelined loads on the worker side (``kvshuttle_load_mode``: ``layered``, or ``auto`` where it pays).
+
+vLLM computes such a request in the very step that loads it (a synchronous load: its read tokens count as
+computed). ``start_load_kv`` starts every load of the step before the forward pass (claim, then one NIXL read
+per layer); ``wait_for_layer_load(layer)``, called by vLLM's attention wrapper on entry to each layer, blocks
+until that layer has landed from every owner rank, so layer i computes while the reads of later layers are
+still on the wire. After the forward pass (``wait_for_save``, at the latest ``get_finished``) every load is
+settled: it must have landed whole, been confirmed by every owner rank, *and* the forward pass must have waited
+for every one of its layers and seen it landed. Anything else (a refused claim, a failed, late or unconfirmed
+read, a layer the forward pass computed without waiting: an attention backend that never calls
+``wait_for_layer_load``) reports the load's blocks invalid in this same step's output. vLLM then discards the
+step's result for the request (no token of it is emitted) and recomputes from the first invalid block, which
+also rewrites those blocks before any later step reads them from its prefix cache.
+
+A layer's wait never outlasts the load's deadline (``kvshuttle_layered_timeout_s`` from the scheduling
+decision, within ``kvshuttle_load_timeout_s``): a slow or dead owner costs the step at most that, and a read
+still pending then is cancelled by its own deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+from ...reuse import Failure, ReuseResult
+from ...transfer import LayerProgress
+from .metadata import LoadJob
+
+log = logging.getLogger("vllm.kvshuttle")
+SETTLE_GRACE_S = 1.0  # past its deadline a load's thread is cancelling its reads: this long to hear back
+
+
+def load_failure(job: LoadJob, failure: Failure, why: str) -> ReuseResult:
+    """The result of a load that did not (or must not count to have) happened: its blocks are recomputed."""
+    local = job.decision.local_tokens
+    return ReuseResult("local" if local > 0 else "recompute", failure.value, f"recompute, because {why}",
+                       job.num_tokens, local, 0, tuple(job.local_block_ids), job.decision)
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    future: Future[ReuseResult]
+    progress: LayerProgress
+    deadline: float  # time.monotonic()
+    waited: set[int] = field(default_factory=set)  # layers the forward pass waited for and saw landed
+
+
+class LayeredLoads:
+    """The step's layer-pipelined loads. ``add`` and ``settle`` run on the thread that drives the step and
+    ``wait_layer`` in its forward pass (the same thread in vLLM); the loads' own threads only touch their
+    :class:`~kvshuttle.transfer.LayerProgress`."""
+
+    def __init__(self, layer_index: Mapping[str, int], num_layers: int) -> None:
+        self.layer_index = dict(layer_index)
+        self.num_layers = num_layers
+        self._loads: list[_Load] = []
+        self.waited_s = 0.0  # how long the forward passes waited for layers, since the last take_waited
+        self._unknown: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def progress(self) -> LayerProgress:
+        return LayerProgress(self.num_layers)
+
+    def add(self, job: LoadJob, future: Future[ReuseResult], progress: LayerProgress, deadline: float) -> None:
+        self._loads.append(_Load(job, future, progress, deadline))
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Block until ``layer_name``'s KV has landed for every load of this step, or its load failed or ran
+        out of time (never raises; what did not land is reported invalid when the step settles)."""
+        if not self._loads:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:  # not a layer of the registered cache: nothing is credited, the loads will recompute
+            if layer_name not in self._unknown and len(self._unknown) < 64:
+                self._unknown.add(layer_name)
+                log.warning("kvshuttle: wait_for_layer_load(%r) names no registered KV cache layer", layer_name)
+            return
+        started = time.monotonic()
+        for load in self._loads:
+            if load.progress.wait(layer, load.deadline - time.monotonic()):
+                load.waited.add(layer)
+        self.waited_s += time.monotonic() - started
+
+    def settle(self) -> list[ReuseResult]:
+        """End the step's loads: each one's result, a failure for every load that must recompute."""
+        loads, self._loads = self._loads, []
+        return [self._outcome(load) for load in loads]
+
+    def _outcome(self, load: _Load) -> ReuseResult:
+        try:
+            result = load.future.result(timeout=max(load.deadline - time.monotonic(), 0.0) + SETTLE_GRACE_S)
+        except FutureTimeout:
+            return load_failure(load.job, Failure.TRANSFER_TIMEOUT, "the layer-pipelined load did not end by its "
+                                                                    "deadline")
+        except BaseException as exc:  # cancelled at shutdown, or a bug: the blocks were not (all) written
+            return load_failure(load.job, Failure.TRANSFER_FAILED, repr(exc))
+        missing = sorted(set(range(self.num_layers)) - load.waited)
+        if result.action == "fetched" and missing:
+            log.warning("kvshuttle: request %s recomputes: the forward pass did not wait for layers %s",
+                        load.job.request_id, missing[:8])
+            return load_failure(load.job, Failure.TRANSFER_FAILED,
+                                f"the forward pass computed layers {missing[:8]} without waiting for their KV "
+                                f"(wait_for_layer_load); use kvshuttle_load_mode=async with this attention backend")
+        return result
