@@ -296,10 +296,10 @@ class ShuttleWorker:
                 progress.end(False)
         if result.action == "fetched":
             telemetry = result.telemetry
-            log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %d descriptors, %s path) in %.1f ms",
+            log.info("kvshuttle: request %s read %d tokens (%.1f MiB, %d descriptors, %s path%s) in %.1f ms",
                      job.request_id, result.fetched_tokens, result.bytes / 2**20,
                      telemetry.descriptors if telemetry else 0, telemetry.path if telemetry else "-",
-                     result.total_s * 1e3)
+                     ", layer by layer" if job.layered else "", result.total_s * 1e3)
         else:
             log.info("kvshuttle: request %s recomputes, because %s: %s", job.request_id, result.reason, result.message)
         return result
