@@ -190,3 +190,44 @@ def test_bad_simulation_arguments_are_named() -> None:
         simulate(prepared, PROFILE, mode="cache_miss", ttl_s=math.inf)
     with pytest.raises(PlannerError, match="block size"):
         simulate(prepared, load_profile("measured"), mode="cache_miss")
+
+
+def test_a_layered_read_costs_the_longer_of_read_and_compute_plus_one_layer_of_the_other() -> None:
+    p = _profile(num_layers=4, layer_overhead_s=0.0001, transfer_overhead_s=0.001)
+    blocks, new, context = 100, 500.0, 1600.0
+    read = p.rank_block_bytes(blocks) / p.bandwidth_bytes_per_s
+    compute = p.compute_s(new, context)
+    assert p.layered_s(blocks, new, context) == pytest.approx(
+        0.001 + max(read + compute / 4, read / 4 + compute) + 4 * 0.0001)
+    # never worse than reading then computing, unless the per-layer overhead eats the overlap
+    assert p.layered_s(blocks, new, context) < p.transfer_s(blocks) + compute
+    # read-bound: the read, plus one layer's compute; compute-bound: the compute, plus one layer's read
+    heavy = p.with_changes(bandwidth_bytes_per_s=1e6, layer_overhead_s=0.0)
+    heavy_read = heavy.rank_block_bytes(blocks) / 1e6
+    assert heavy.layered_s(blocks, new, context) == pytest.approx(0.001 + heavy_read + compute / 4)
+    light = p.with_changes(bandwidth_bytes_per_s=1e12, layer_overhead_s=0.0)
+    assert light.layered_s(blocks, new, context) == pytest.approx(0.001 + light.rank_block_bytes(blocks) / 1e12 / 4
+                                                                  + compute)
+    # nothing to overlap: one layer, or no read
+    assert p.with_changes(num_layers=1).layered_s(blocks, new, context) == pytest.approx(p.transfer_s(blocks)
+                                                                                         + compute)
+    assert p.layered_s(0, new, context) == pytest.approx(compute)
+
+
+def test_layered_simulation_reads_whole_blocks_and_is_faster_where_reads_overlap_compute() -> None:
+    trace = uniform_trace(conversations=1, turns=3, first_tokens=1000, new_tokens=50, output_tokens=20)
+    p = _profile(num_layers=8, bandwidth_bytes_per_s=1e8)  # reads of ~10 ms: worth overlapping
+    on, layered = _run(trace, profile=p, ttl_s=60), _run(trace, profile=p, ttl_s=60, layered=True)
+    assert on.fetched == [0, 1019, 1089] and layered.fetched == [0, 1008, 1088]  # cut to 16-token blocks
+    assert all(lay < a for lay, a in zip(layered.ttft[1:], on.ttft[1:], strict=True))
+    assert layered.ttft[0] == on.ttft[0]  # nothing read: nothing changes
+    # fewer than one whole block verified: read the asynchronous way, as the connector does
+    short = uniform_trace(conversations=1, turns=2, first_tokens=10, new_tokens=5, output_tokens=2)
+    assert _run(short, profile=p, threshold=1, layered=True).fetched == _run(short, profile=p, threshold=1).fetched
+
+
+def test_profiles_check_the_layer_fields() -> None:
+    with pytest.raises(Exception, match="num_layers"):
+        _profile(num_layers=-1)
+    with pytest.raises(Exception, match="layer_overhead_s"):
+        _profile(layer_overhead_s=-1.0)

@@ -21,7 +21,7 @@ from kvshuttle.planner import (
     synthetic_trace,
     write_trace,
 )
-from kvshuttle.planner.published import PUBLISHED_TTFT_S, h200_profile, reproduce
+from kvshuttle.planner.published import PUBLISHED_TTFT_S, format_reproduction, h200_profile, reproduce
 from kvshuttle.planner.validate import (
     default_e2e_path,
     default_transfer_paths,
@@ -229,3 +229,11 @@ def test_reproduction_of_the_published_h200_points() -> None:
     assert ons == sorted(ons)  # grows with the prompt, more slowly than off
     assert all(r["on_s"] < r["off_s"] for r in rows.values())
     assert rows[24000]["read_s"] == pytest.approx(0.130, rel=0.15)  # published: about 130 ms at 24k
+
+
+def test_the_reproduction_predicts_what_layered_loads_would_gain() -> None:
+    rows = reproduce()
+    assert all(r["layered_s"] <= r["on_s"] for r in rows)  # overlapping never costs more than the sum here
+    assert all(r["layered_s"] >= r["on_s"] - r["read_s"] for r in rows)  # it cannot hide more than the read
+    out = format_reproduction(rows, h200_profile())
+    assert "layered" in out and "on/lay" in out

@@ -20,6 +20,12 @@ A :class:`CostProfile` is a handful of numbers:
   the linear part (projections, MLP) per token plus attention over every earlier token. ``attention_ratio`` is
   attention's work per (query, key) pair in units of one token's linear work: ``4 * layers * q_heads * head_dim /
   (2 * params)`` from a model shape (:meth:`ModelShape.attention_ratio`), or fitted.
+* **Layer-pipelined loads** (``kvshuttle_load_mode="layered"``): with ``num_layers`` L > 1 the read of each layer
+  overlaps the compute of the layers before it. Read R (one rank's bytes / bandwidth) and suffix compute C split
+  evenly over the layers; layer i computes once its KV landed and layer i - 1 computed, so the pair costs
+  ``transfer_overhead_s + max(R + C / L, R / L + C) + L * layer_overhead_s`` (:meth:`CostProfile.layered_s`)
+  instead of ``transfer_s + C``: the longer of the two, plus one layer of the shorter. ``num_layers`` 0 or 1:
+  nothing overlaps.
 * **Decode**: ``decode_fixed_s + decode_s_per_token * output_tokens`` (the same with or without reverse reads).
 * ``prefill_cache_gib``: the prefill worker's prefix-cache capacity over all its ranks (replicas counted), for
   the local-prefix-cache baseline.
@@ -111,11 +117,13 @@ class CostProfile:
     notes: str = ""
     tp_size: int = 1  # TP ranks on prefill and on decode (see the module docstring)
     kv_heads: int = 0  # the model's KV heads (1: MLA); 0: unknown, the KV splits evenly over the ranks
+    num_layers: int = 0  # attention layers a layer-pipelined load overlaps (0: unknown, nothing overlaps)
+    layer_overhead_s: float = 0.0  # what each layer of a layer-pipelined load adds (its NIXL request, its wait)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ProfileError(f"profile field 'name': must be a non-empty string, got {self.name!r}")
-        for name, low in (("block_size", 1), ("tp_size", 1), ("kv_heads", 0)):
+        for name, low in (("block_size", 1), ("tp_size", 1), ("kv_heads", 0), ("num_layers", 0)):
             value = getattr(self, name)
             if type(value) is not int or value < low:
                 raise ProfileError(f"profile {self.name!r} field {name!r}: must be an int >= {low}, got {value!r}")
@@ -125,7 +133,7 @@ class CostProfile:
                                "(vLLM needs kv_heads % tp_size == 0 or tp_size % kv_heads == 0)")
         positive = ("kv_bytes_per_token", "bandwidth_bytes_per_s", "prefill_tokens_per_s")
         for f in fields(self):
-            if f.name in ("name", "block_size", "notes", "tp_size", "kv_heads"):
+            if f.name in ("name", "block_size", "notes", "tp_size", "kv_heads", "num_layers"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -176,6 +184,17 @@ class CostProfile:
         if blocks <= 0:
             return 0.0
         return self.transfer_overhead_s + self.rank_block_bytes(blocks) / self.bandwidth_bytes_per_s
+
+    def layered_s(self, blocks: int, new: float, context: float) -> float:
+        """A layer-pipelined read of ``blocks`` whole blocks and the compute of ``new`` tokens after ``context``
+        (see the module docstring); without layers to overlap, the read then the compute."""
+        compute = self.compute_s(new, context)
+        layers = self.num_layers
+        if blocks <= 0 or layers <= 1:
+            return self.transfer_s(blocks) + compute
+        read = self.rank_block_bytes(blocks) / self.bandwidth_bytes_per_s
+        return (self.transfer_overhead_s + max(read + compute / layers, read / layers + compute)
+                + layers * self.layer_overhead_s)
 
     def decode_s(self, output_tokens: int) -> float:
         return self.decode_fixed_s + self.decode_s_per_token * output_tokens

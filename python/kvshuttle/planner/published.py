@@ -22,6 +22,9 @@ How the profile is derived (:func:`h200_profile`), and what is assumed:
   exactly the two published off TTFTs over the same workload. The *on* leg is then a prediction.
 * Decode: 15 ms per output token (assumed, not published; it only moves whole-turn latency, equally in both
   legs); prefill prefix cache 800 GiB (8 x 141 GB HBM less weights; only the local-cache baseline uses it).
+* Layer-pipelined loads (a prediction, nothing published): Qwen3-32B's 64 layers, 20 us per layer (assumed: one
+  NIXL request posted and one completion waited for per layer, host side), the suffix's compute split evenly
+  over the layers (:meth:`~.profile.CostProfile.layered_s`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ TP_SIZE = 8
 BANDWIDTH = 50e9  # over all 8 ranks together (what the published transfer times imply)
 RANK_BANDWIDTH = BANDWIDTH / TP_SIZE  # the profile's bandwidth_bytes_per_s: per rank
 WORKLOAD = {"conversations": 10, "turns": 10, "new_tokens": 150, "output_tokens": 300}
+LAYERS = 64  # Qwen3-32B
+LAYER_OVERHEAD_S = 20e-6  # assumed (see the module docstring)
 
 
 def blog_trace(pfx: int) -> Trace:
@@ -78,7 +83,8 @@ def h200_profile() -> CostProfile:
         name="h200-efa-qwen3-32b", kv_bytes_per_token=float(QWEN3_32B.kv_bytes_per_token), block_size=16,
         bandwidth_bytes_per_s=RANK_BANDWIDTH, transfer_overhead_s=overhead, prefill_fixed_s=fixed,
         prefill_tokens_per_s=throughput, attention_ratio=ratio, decode_fixed_s=0.0, decode_s_per_token=0.015,
-        prefill_cache_gib=800.0, tp_size=TP_SIZE, kv_heads=QWEN3_32B.kv_heads,
+        prefill_cache_gib=800.0, tp_size=TP_SIZE, kv_heads=QWEN3_32B.kv_heads, num_layers=LAYERS,
+        layer_overhead_s=LAYER_OVERHEAD_S,
         notes="Qwen3-32B TP8 on p5en (H200) + EFA: prefill fitted to the vLLM blog's recompute TTFTs over its "
               "sweep workload (the whole TP8 engine); 6.25 GB/s per rank (50 GB/s over the 8 ranks, as its "
               "transfer times imply); overhead from its transfer times; decode 15 ms/token assumed")
@@ -88,7 +94,8 @@ def reproduce(profile: CostProfile | None = None) -> list[dict[str, Any]]:
     """Planner TTFT off/on per PFX of the published sweep, next to the published end points.
 
     ``off`` = every turn recomputed (cache_miss), ``on`` = reverse reads (TTL 480 s, threshold 64), each the
-    mean over all 100 turns of the point, as the blog averages per prompt length.
+    mean over all 100 turns of the point, as the blog averages per prompt length; ``layered`` = the same reverse
+    reads, layer-pipelined (a prediction: what kvshuttle's layered mode would gain there).
     """
     profile = profile or h200_profile()
     rows = []
@@ -97,10 +104,12 @@ def reproduce(profile: CostProfile | None = None) -> list[dict[str, Any]]:
         off = summarize(simulate(prepared, profile, mode="cache_miss"))
         on_run = simulate(prepared, profile, mode="reverse_read", ttl_s=480.0, threshold=64)
         on = summarize(on_run)
+        layered = summarize(simulate(prepared, profile, mode="reverse_read", ttl_s=480.0, threshold=64,
+                                     layered=True))
         reads = [b for b in on_run.bytes_moved if b > 0]
         row: dict[str, Any] = {
             "pfx": pfx, "mean_prompt_tokens": sum(_blog_prompts(pfx)) / WORKLOAD["turns"],
-            "off_s": off["ttft_s"]["mean"], "on_s": on["ttft_s"]["mean"],
+            "off_s": off["ttft_s"]["mean"], "on_s": on["ttft_s"]["mean"], "layered_s": layered["ttft_s"]["mean"],
             "read_s": profile.transfer_s(round(sum(reads) / len(reads) / profile.block_bytes(1))) if reads else 0.0,
             "published_off_s": None, "published_on_s": None, "off_error": None, "on_error": None,
         }
@@ -114,7 +123,7 @@ def reproduce(profile: CostProfile | None = None) -> list[dict[str, Any]]:
 
 def format_reproduction(rows: list[dict[str, Any]], profile: CostProfile) -> str:
     lines = [f"{'PFX':>6} {'mean prompt':>11} {'off ms':>8} {'pub off':>8} {'err':>6} {'on ms':>8} {'pub on':>8} "
-             f"{'err':>6} {'read ms':>8} {'pub read':>9}"]
+             f"{'err':>6} {'read ms':>8} {'pub read':>9} {'layered':>8} {'on/lay':>7}"]
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.0f}"
@@ -125,11 +134,14 @@ def format_reproduction(rows: list[dict[str, Any]], profile: CostProfile) -> str
     for r in rows:
         lines.append(f"{r['pfx']:>6} {r['mean_prompt_tokens']:>11.0f} {ms(r['off_s']):>8} {ms(r['published_off_s']):>8}"
                      f" {pct(r['off_error']):>6} {ms(r['on_s']):>8} {ms(r['published_on_s']):>8} "
-                     f"{pct(r['on_error']):>6} {ms(r['read_s']):>8} {ms(r.get('published_read_s')):>9}")
+                     f"{pct(r['on_error']):>6} {ms(r['read_s']):>8} {ms(r.get('published_read_s')):>9} "
+                     f"{ms(r['layered_s']):>8} {r['on_s'] / r['layered_s']:>6.2f}x")
     lines.append(f"profile {profile.name}: prefill {profile.prefill_fixed_s * 1e3:.1f} ms + "
                  f"{profile.prefill_tokens_per_s:,.0f} tokens/s (attention ratio {profile.attention_ratio:.2e}), "
                  f"{_link(profile)} + {profile.transfer_overhead_s * 1e3:.1f} ms per read;"
-                 " off fitted to the published off points, on predicted; means over 10 conversations x 10 turns")
+                 " off fitted to the published off points, on predicted; means over 10 conversations x 10 turns;"
+                 f" layered = on with each layer's read overlapping earlier layers' compute ({profile.num_layers} "
+                 f"layers, {profile.layer_overhead_s * 1e6:.0f} us per layer assumed), a prediction")
     return "\n".join(lines)
 
 

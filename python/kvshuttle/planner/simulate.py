@@ -16,7 +16,9 @@ previous turn's answer ended, so faster turns bring the next ones forward. Per t
    the threshold (``kv_recompute_threshold`` semantics, or ``"cost"``: the policy's cost model with this
    profile's numbers).
 3. **TTFT** = queueing (only with ``queue``: one request at a time per prefill worker) + ``prefill_fixed_s`` +
-   the read (whole blocks) + computing the rest after the reused prefix. **Turn latency** = TTFT + decode.
+   the read (whole blocks) + computing the rest after the reused prefix; with ``layered``, the read and the
+   compute pipelined layer by layer (:meth:`.CostProfile.layered_s`; the read is then cut to whole blocks, as
+   the connector cuts it). **Turn latency** = TTFT + decode.
 4. **Retention**: a handle holds its blocks on decode from its turn's end until the TTL expires or the
    conversation's next request arrives (that request reads it, or declines and releases it, as vLLM's
    notify-only message does), whichever comes first; a conversation's last handle until its TTL. One handle per
@@ -191,7 +193,7 @@ def _handle(turn: _Prepared, block_size: int, end: float, ttl_s: float, conv: in
 
 def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = 480.0,
              threshold: Threshold = 64, expiry_margin_s: float = 5.0, prefill_workers: int = 1,
-             queue: bool = False, seed: int = 0) -> ModeRun:
+             queue: bool = False, seed: int = 0, layered: bool = False) -> ModeRun:
     """Replay ``prepared`` in one mode and setting (see the module docstring)."""
     if mode not in MODES:
         raise PlannerError(f"mode must be one of {MODES}, got {mode!r}")
@@ -216,6 +218,7 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         worker = int(route.integers(prefill_workers)) if prefill_workers > 1 else 0
         local_tokens = caches[worker].hit(prepared, conv, k) if local and k else 0
         fetched, blocks, reason = 0, 0, "first_turn" if k == 0 else "off"
+        pipelined = False
         if reverse and k:
             handle = _handle(turns[k - 1], bs, ends[conv], ttl_s, conv, k - 1)
             if handle is None:
@@ -224,11 +227,17 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
                 d = decide(turn.digests, local_hit_tokens=local_tokens, handle=handle, now_wall=arrival,
                            config=config)
                 reason, local_tokens = d.reason.value, d.local_tokens
-                if d.fetch:
-                    fetched, blocks = d.fetch_tokens, len(d.fetch_blocks)
+                if d.fetch:  # layered: whole blocks, or (less than one) the asynchronous read, as the connector
+                    whole = d.whole_blocks() if layered else None
+                    pipelined = whole is not None
+                    chosen = whole or d
+                    fetched, blocks = chosen.fetch_tokens, len(chosen.fetch_blocks)
         compute = turn.prompt_tokens - local_tokens - fetched
-        service = (profile.prefill_fixed_s + profile.transfer_s(blocks)
-                   + profile.compute_s(compute, local_tokens + fetched))
+        if pipelined:
+            service = profile.prefill_fixed_s + profile.layered_s(blocks, compute, local_tokens + fetched)
+        else:
+            service = (profile.prefill_fixed_s + profile.transfer_s(blocks)
+                       + profile.compute_s(compute, local_tokens + fetched))
         start = max(arrival, free_at[worker]) if queue else arrival
         free_at[worker] = start + service
         ttft = start - arrival + service

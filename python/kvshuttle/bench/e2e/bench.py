@@ -10,6 +10,11 @@ to core 1:
   ``bidirectional_kv_xfer`` for it;
 * ``nixl``: vLLM's ``NixlConnector`` with ``bidirectional_kv_xfer`` (turns 2+ read the history back from decode);
 * ``kvshuttle``: ``KVShuttleConnector`` (``kvshuttle.integrations.vllm``) with ``bidirectional_kv_xfer``;
+* ``floor`` (opt-in): the same turns on a prefill whose own prefix cache already holds the history (the previous
+  prompt and answer are sent to it just before each turn, untimed): only the suffix is computed, nothing is read.
+  No reverse read can beat it; the rows of the others carry their TTFT over the floor's (``ttft_over_floor``);
+* ``kvshuttle_layered`` (opt-in): kvshuttle with ``kvshuttle_load_mode="layered"``: vLLM computes the suffix in the
+  same step as the read, each layer as soon as its KV landed (whole blocks are read: the floor's reuse);
 * ``kvshuttle_tp`` (opt-in): the same at the tensor-parallel sizes of ``--tp P,D`` (default ``2,1``: prefill
   at TP=2, decode at TP=1; an engine's ranks share its core). Its rows carry the ratio of their TTFT to the
   ``kvshuttle`` row's when both ran, and the summary each rank's reads (count, bytes, descriptors, mean time:
@@ -57,8 +62,9 @@ from ..schema import envelope
 from .conversation import ConversationPlan, Turn, decode_params_for, prefill_params_for, run_pd_conversation
 from .engines import VllmEngine, nixl_transfer_config, pd_pair, shuttle_transfer_config, start_all
 
-CONFIGS = ("recompute", "nixl", "kvshuttle", "kvshuttle_tp")
+CONFIGS = ("recompute", "nixl", "kvshuttle", "kvshuttle_tp", "floor", "kvshuttle_layered")
 DEFAULT_CONFIGS = CONFIGS[:3]
+NO_READ = ("recompute", "floor")  # configurations whose turns never read the history back
 CASES = ("main", "edited", "short", "retried", "renewed", "expired")
 TIMES = ("prefill_ttft", "decode_ttft", "decode", "turn")
 SHORT = {"first_tokens": 24, "next_tokens": 8}  # histories of 39 and 63 tokens: below a 64-token threshold
@@ -91,13 +97,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tuple[VllmEngine, VllmEngine]:
     """The engine pair of one configuration, not started."""
     extra = {"kv_recompute_threshold": args.threshold, "decoder_kv_blocks_ttl": args.ttl}
-    ours = kind.startswith("kvshuttle")
+    ours = kind.startswith("kvshuttle") or kind == "floor"
     if kind == "kvshuttle_tp":  # an engine's ranks share one core: a busy owner's heartbeats can be late
         extra["kvshuttle_peer_timeout_s"] = 5.0
     config = shuttle_transfer_config(**extra) if ours else nixl_transfer_config(bidirectional=kind == "nixl", **extra)
+    prefill_config = shuttle_transfer_config(**extra, kvshuttle_load_mode="layered") \
+        if kind == "kvshuttle_layered" else config
     prefill_tp, decode_tp = _tp_sizes(args.tp) if kind == "kvshuttle_tp" else (1, 1)
-    return pd_pair(model, config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens,
-                   decode_block_size=args.decode_block_size, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    return pd_pair(model, prefill_config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens,
+                   decode_block_size=args.decode_block_size, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                   prefill_prefix_cache=kind == "floor")
 
 
 def _tp_sizes(value: str) -> tuple[int, int]:
@@ -147,7 +156,8 @@ def _sample(t: Turn) -> dict[str, Any]:
     if common:
         lp_diff = max(abs(d_lp[k] - r_lp[k]) for k in common)
     ttft = float(p.get("ttft_s") or p["latency_s"])
-    return {"prompt_tokens": len(t.prompt), "prefill_ttft": ttft, "decode": float(d["latency_s"]),
+    return {"prompt_tokens": len(t.prompt), "request_id": p.get("request_id"), "prefill_ttft": ttft,
+            "decode": float(d["latency_s"]),
             "decode_ttft": float(d.get("ttft_s") or d["latency_s"]),
             "turn": ttft + float(d["latency_s"]), "reused": int(p.get("num_cached_tokens") or 0),
             "kvshuttle_read": (p.get("kv_transfer_params") or {}).get("kvshuttle_read_tokens"),
@@ -168,6 +178,14 @@ class _Collector:
             if not only or t.turn in only:
                 self.samples.setdefault((config, case, first, t.turn), []).append(_sample(t))
 
+    def add_read_times(self, config: str, times: dict[str, float]) -> None:
+        """Each sample of ``config`` gets its prefill request's read time (ms) from the engine's log."""
+        for key, samples in self.samples.items():
+            for s in samples if key[0] == config else ():
+                rid = str(s.get("request_id"))
+                s["read_ms"] = next((ms for logged, ms in times.items() if logged.split("-")[0] == rid.split("-")[0]),
+                                    None)
+
     def error(self, config: str, case: str, first: int, turn: int, exc: BaseException, elapsed: float) -> None:
         self.errors.setdefault((config, case, first, turn), []).append(
             {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "seconds": max(elapsed, 1e-6)})
@@ -180,12 +198,17 @@ def _log(msg: str) -> None:
 def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argparse.Namespace,
                 lengths: list[int], cases: set[str], refs: Refs, out: _Collector) -> None:
     base = {"turns": args.turns, "next_tokens": args.next_tokens, "answer_tokens": args.answer_tokens}
+
+    def warm(k: int, turns: list[Turn]) -> None:  # the floor: the history is in prefill's own prefix cache
+        prefill.generate(turns[-1].prompt + turns[-1].answer, 1, None)
+
     for rep in range(args.reps if "main" in cases else 0):
         for n in lengths:
             plan = ConversationPlan(first_tokens=n, seed=rep, **base)
             t0 = time.perf_counter()
             try:
-                turns = run_pd_conversation(prefill, decode, plan, reuse_decode_params=config != "recompute")
+                turns = run_pd_conversation(prefill, decode, plan, reuse_decode_params=config not in NO_READ,
+                                            before_turn=warm if config == "floor" else None)
             except Exception as exc:  # recorded (e.g. vLLM's connector with differing block sizes), then on
                 out.error(config, "main", n, 2, exc, time.perf_counter() - t0)
                 _log(f"{config} main {n} rep {rep}: {exc}")
@@ -194,7 +217,7 @@ def _run_config(config: str, prefill: VllmEngine, decode: VllmEngine, args: argp
             out.add(config, "main", n, turns)
             _log(f"{config} main {n} rep {rep}: " + ", ".join(
                 f"t{t.turn} ttft {_sample(t)['prefill_ttft']:.3f}s reused {_sample(t)['reused']}" for t in turns))
-    if config == "recompute":
+    if config in NO_READ:
         return
     if "edited" in cases:
         for rep in range(args.reps):
@@ -252,7 +275,7 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
     plan = ConversationPlan(first_tokens=n, seed=300 if renew is None else 500, turns=2,
                             next_tokens=args.next_tokens, answer_tokens=args.answer_tokens)
 
-    def pause(turns: list[Turn]) -> None:
+    def pause(k: int, turns: list[Turn]) -> None:
         done = time.monotonic()
         nxt = turns[0].prompt + turns[0].answer + plan.user_tokens(2)
         _reference(prefill, turns[0].prompt, plan.answer_tokens, refs)  # useful work during the pause
@@ -272,7 +295,7 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
 
     t0 = time.perf_counter()
     try:
-        turns = run_pd_conversation(prefill, decode, plan, before_turn2=pause)
+        turns = run_pd_conversation(prefill, decode, plan, before_turn=pause)
     except Exception as exc:  # recorded: what happens to an expired handle is the point of this case
         out.error(config, case, n, 2, exc, time.perf_counter() - t0)
         _log(f"{config} {case}: {exc}")
@@ -302,7 +325,7 @@ def _pairs(configs: list[str], recompute_engines: str) -> list[tuple[str, list[s
         pairs.append(("recompute", ["recompute"]))
     if "nixl" in configs:
         pairs.append(("nixl", ["recompute", "nixl"] if shared else ["nixl"]))
-    for ours in ("kvshuttle", "kvshuttle_tp"):
+    for ours in ("kvshuttle", "kvshuttle_tp", "floor", "kvshuttle_layered"):
         if ours in configs:
             pairs.append((ours, [ours]))
     return pairs
@@ -350,6 +373,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if kind.startswith("kvshuttle"):
             ranks[kind] = {role: reads_by_rank(Path(e.spec.log_path or "")) for role, e in
                            (("prefill", prefill), ("decode", decode))}
+            out.add_read_times(kind, read_times(Path(prefill.spec.log_path or "")))
     results = _rows(out, configs)
     note = (f"medians of {args.reps} seeds per row (expired, renewed: 1); times from vLLM's request metrics: "
             "prefill TTFT = first-token latency of the 1-token prefill request; decode = its request's wall time; "
@@ -374,6 +398,9 @@ def _rows(out: _Collector, configs: list[str]) -> list[dict[str, Any]]:
         if samples:
             med = {k: round(statistics.median(s[k] for s in samples), 4) for k in TIMES}
             reads = [s["kvshuttle_read"] for s in samples]
+            read_ms = [s["read_ms"] for s in samples if s.get("read_ms") is not None]
+            if read_ms:
+                row["read_ms"] = round(statistics.median(read_ms), 2)
             diffs = [s["lp_diff"] for s in samples if s["lp_diff"] is not None]
             row.update({
                 "prompt_tokens": samples[0]["prompt_tokens"], "seconds": med,
@@ -419,6 +446,7 @@ def _summary(rows: list[dict[str, Any]], startup: dict[str, float]) -> dict[str,
         one = by.get(("kvshuttle", case, first, turn))
         if config == "kvshuttle_tp" and one is not None:
             tp["ttft_over_tp1"] = round(tp["seconds"]["prefill_ttft"] / one["seconds"]["prefill_ttft"], 3)
+    floor = _floor_ratios(by)
     worst_ttft = max((r["ttft"] for r in ratios), default=None)
     worst_turn = max((r["turn_latency"] for r in ratios), default=None)
     return {
@@ -426,13 +454,42 @@ def _summary(rows: list[dict[str, Any]], startup: dict[str, float]) -> dict[str,
         "target_met": None if not ratios else bool(worst_ttft is not None and worst_turn is not None
                                                   and worst_ttft <= 1.05 and worst_turn <= 1.05),
         "worst_ttft_ratio": worst_ttft, "worst_turn_ratio": worst_turn, "kvshuttle_over_nixl": ratios,
-        "reverse_read_speedup": speedups, "engine_startup_s": startup,
+        "reverse_read_speedup": speedups, "engine_startup_s": startup, **floor,
         "all_main_match_local": all(r.get("matches_local", False) for r in rows if r["case"] == "main"),
     }
 
 
-_READ_LINE = re.compile(r"\((Worker(?:_TP(\d+))?) pid=\d+\).*kvshuttle: request \S+ read (\d+) tokens "
-                        r"\(([\d.]+) MiB, (\d+) descriptors, ([\w+]+) path\) in ([\d.]+) ms")
+def _floor_ratios(by: dict[tuple[str, str, int, int], dict[str, Any]]) -> dict[str, Any]:
+    """Each reading row's TTFT over the floor's (the same turn, the history in prefill's own prefix cache), and a
+    layered row's over its overlap bound: max(its read, the floor's TTFT, i.e. the suffix's compute)."""
+    over: list[dict[str, Any]] = []
+    for (config, case, first, turn), r in by.items():
+        floor = by.get(("floor", case, first, turn))
+        if floor is None or config in NO_READ or turn < 2:
+            continue
+        base = floor["seconds"]["prefill_ttft"]
+        r["ttft_over_floor"] = round(r["seconds"]["prefill_ttft"] / base, 3)
+        entry = {"config": config, "case": case, "first_tokens": first, "turn": turn,
+                 "ttft_over_floor": r["ttft_over_floor"]}
+        if config == "kvshuttle_layered" and r.get("read_ms") is not None:
+            r["ttft_over_overlap_bound"] = round(r["seconds"]["prefill_ttft"] / max(r["read_ms"] / 1e3, base), 3)
+            entry["ttft_over_overlap_bound"] = r["ttft_over_overlap_bound"]
+        over.append(entry)
+    layered = [x["ttft_over_floor"] for x in over if x["config"] == "kvshuttle_layered"]
+    if not layered:
+        return {}
+    return {"over_floor": over, "layered_target": "layered TTFT <= 1.15x the floor's on every row",
+            "layered_target_met": max(layered) <= 1.15, "layered_worst_over_floor": max(layered)}
+
+
+_READ_LINE = re.compile(r"\((Worker(?:_TP(\d+))?) pid=\d+\).*kvshuttle: request (\S+) read (\d+) tokens "
+                        r"\(([\d.]+) MiB, (\d+) descriptors, ([\w+]+) path(?:, layer by layer)?\) in ([\d.]+) ms")
+
+
+def read_times(log_path: Path) -> dict[str, float]:
+    """Rank 0's read time (ms) per prefill request id, from an engine's log."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    return {m.group(3): float(m.group(8)) for m in _READ_LINE.finditer(text) if not m.group(2) or m.group(2) == "0"}
 
 
 def reads_by_rank(log_path: Path) -> dict[str, dict[str, Any]]:
@@ -440,7 +497,7 @@ def reads_by_rank(log_path: Path) -> dict[str, dict[str, Any]]:
     ranks: dict[str, list[tuple[float, int, float]]] = {}
     text = log_path.read_text(errors="replace") if log_path.is_file() else ""
     for m in _READ_LINE.finditer(text):
-        ranks.setdefault(m.group(2) or "0", []).append((float(m.group(4)), int(m.group(5)), float(m.group(7))))
+        ranks.setdefault(m.group(2) or "0", []).append((float(m.group(5)), int(m.group(6)), float(m.group(8))))
     return {rank: {"reads": len(v), "mib": round(sum(x[0] for x in v), 2),
                    "descriptors_per_read": round(statistics.mean(x[1] for x in v), 1),
                    "mib_per_descriptor": round(sum(x[0] for x in v) / max(1, sum(x[1] for x in v)), 4),
@@ -471,6 +528,14 @@ def format_table(result: dict[str, Any]) -> str:
     if summary.get("target_met") is not None:
         lines.append(f"target (<= 1.05x where reuse is equal): {'met' if summary['target_met'] else 'NOT met'}; "
                      f"worst TTFT {summary['worst_ttft_ratio']}x, worst turn {summary['worst_turn_ratio']}x")
+    for x in summary.get("over_floor", []):
+        bound = f", {x['ttft_over_overlap_bound']:.3f}x max(read, suffix)" if "ttft_over_overlap_bound" in x else ""
+        lines.append(f"{x['config']}/floor {x['case']} {x['first_tokens']:>5} turn {x['turn']}: TTFT "
+                     f"{x['ttft_over_floor']:.3f}x{bound}")
+    if "layered_target_met" in summary:
+        lines.append(f"layered target (<= 1.15x the floor on every row): "
+                     f"{'met' if summary['layered_target_met'] else 'NOT met'}; worst "
+                     f"{summary['layered_worst_over_floor']}x")
     for r in result["results"]:
         if "ttft_over_tp1" in r:
             lines.append(f"kvshuttle_tp/kvshuttle {r['case']} {r['first_tokens']:>5} turn {r['turn']}: TTFT "

@@ -127,12 +127,13 @@ def edited_token(token: int, vocab: int) -> int:
 
 def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan, *,
                         reuse_decode_params: bool = True, edit_at: int | None = None,
-                        before_turn2: Callable[[list[Turn]], None] | None = None, grant: bool = True) -> list[Turn]:
+                        before_turn: Callable[[int, list[Turn]], None] | None = None, grant: bool = True) -> list[Turn]:
     """Run ``plan.turns`` turns through prefill then decode; returns every turn's results.
 
     ``reuse_decode_params=False`` sends every turn as a first turn (prefill recomputes the whole prompt):
     the same traffic without the reverse read, for a side-by-side TTFT. ``edit_at`` changes that token of the
-    history in turn 2's prompt (an edited conversation); ``before_turn2`` runs just before turn 2 (a pause).
+    history in turn 2's prompt (an edited conversation); ``before_turn(k, turns so far)`` runs just before each
+    turn k >= 2 (a pause, or warming a prefix cache).
     ``grant``: add a retention grant to every request (see the module docstring).
     """
     turns: list[Turn] = []
@@ -142,11 +143,10 @@ def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan,
         if turns:
             prompt = prompt + turns[-1].answer
         prompt = prompt + plan.user_tokens(k)
-        if k == 2:
-            if edit_at is not None:
-                prompt[edit_at] = edited_token(prompt[edit_at], plan.vocab)
-            if before_turn2 is not None:
-                before_turn2(turns)
+        if k == 2 and edit_at is not None:
+            prompt[edit_at] = edited_token(prompt[edit_at], plan.vocab)
+        if k >= 2 and before_turn is not None:
+            before_turn(k, turns)
         p_params = prefill_params_for(handle if reuse_decode_params else None, grant=grant)
         p_out = prefill.generate(prompt, 1, copy.deepcopy(p_params))
         d_params = p_out.get("kv_transfer_params")
