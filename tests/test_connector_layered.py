@@ -12,6 +12,8 @@ real vLLM engines."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import time
 from collections.abc import Iterator
@@ -331,3 +333,45 @@ def test_a_layered_job_survives_pickling() -> None:
     decision, _ = _fake_decision()
     job = LoadJob("r", None, decision, (1, 2), 64, 0.0, failure="x", layered=True)
     assert pickle.loads(pickle.dumps(job)) == job
+
+
+# ---------------------------------------------------------------------------------- kvshuttle_transfer_cpus
+def _allowed(tid: int) -> set[int]:
+    return set(os.sched_getaffinity(tid))
+
+
+def test_transfer_threads_stay_on_their_cpus(decode: Any) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    target = [cpus[-1]]
+    w, _ = worker("pinned", 3, kvshuttle_transfer_cpus=target)
+    try:
+        assert w._transfer_tids, "the transfer engine started threads (NIXL progress, side channel)"
+        assert all(_allowed(t) == set(target) for t in w._transfer_tids if os.path.exists(f"/proc/self/task/{t}"))
+        assert _allowed(0) == set(cpus)  # the engine's own thread is left where it was
+        for t in w._transfer_tids:  # something pins the whole process elsewhere; the next load moves them back
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(t, set(cpus))
+        history, params = decode_turn(decode, 10)
+        s = scheduler("pinned", kvshuttle_load_mode="layered")
+        _, meta = schedule(s, history, params, table())
+        w.start(meta)
+        for name in NAMES:
+            w.wait_for_layer(name)
+        assert step_report(w) == (set(), set())
+        assert all(_allowed(t) == set(target) for t in w._transfer_tids if os.path.exists(f"/proc/self/task/{t}"))
+    finally:
+        w.shutdown()
+
+
+def test_transfer_cpus_are_checked() -> None:
+    for bad in ([], [-1], ["1"], 3, [True]):
+        with pytest.raises(ConnectorConfigError, match="kvshuttle_transfer_cpus"):
+            ShuttleConfig.from_extra({"kvshuttle_transfer_cpus": bad})
+    assert ShuttleConfig.from_extra({"kvshuttle_transfer_cpus": [1, 0, 1]}).transfer_cpus == (0, 1)
+    outside = max(os.sched_getaffinity(0)) + 1000
+    config = ShuttleConfig.from_extra({"kvshuttle_transfer_cpus": [outside], **TIMEOUT}, model="m")
+    w = ShuttleWorker(config, "bad", BS, secret=SECRET)
+    with pytest.raises(ConnectorConfigError, match="not among"):
+        w.register_kv_caches(dict(zip(NAMES, make_cache(np.random.default_rng(4), GEO).layers, strict=True)),
+                             "CPU_ATTN")
+    w.shutdown()

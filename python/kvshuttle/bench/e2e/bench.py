@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode's block size (prefill's is 32): a deployment whose engines differ")
     parser.add_argument("--kv-heavy", action="store_true", help="the tiny Llama with head dim 256: 4x the KV per token")
     parser.add_argument("--log-dir", default="", help="engine logs (default: a new temporary directory)")
+    parser.add_argument("--prefill-transfer-cpus", default="",
+                        help="kvshuttle_transfer_cpus of kvshuttle's prefill engines, e.g. 1: its copy threads off its "
+                             "compute core (a stand-in for a NIC's DMA engine; the decode's core is idle meanwhile)")
 
 
 # ------------------------------------------------------------------------------------------------ engines
@@ -101,8 +104,10 @@ def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tup
     if kind == "kvshuttle_tp":  # an engine's ranks share one core: a busy owner's heartbeats can be late
         extra["kvshuttle_peer_timeout_s"] = 5.0
     config = shuttle_transfer_config(**extra) if ours else nixl_transfer_config(bidirectional=kind == "nixl", **extra)
-    prefill_config = shuttle_transfer_config(**extra, kvshuttle_load_mode="layered") \
-        if kind == "kvshuttle_layered" else config
+    prefill_extra = dict(extra, kvshuttle_load_mode="layered") if kind == "kvshuttle_layered" else dict(extra)
+    if ours and args.prefill_transfer_cpus:
+        prefill_extra["kvshuttle_transfer_cpus"] = [int(c) for c in str(args.prefill_transfer_cpus).split(",")]
+    prefill_config = shuttle_transfer_config(**prefill_extra) if ours else config
     prefill_tp, decode_tp = _tp_sizes(args.tp) if kind == "kvshuttle_tp" else (1, 1)
     return pd_pair(model, prefill_config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens,
                    decode_block_size=args.decode_block_size, prefill_tp=prefill_tp, decode_tp=decode_tp,

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..._values import is_int
 from ...errors import KVShuttleError, shown
 from ...policy import PolicyConfig
 from ...retention.ledger import MODES, Mode
@@ -62,6 +63,8 @@ class ShuttleConfig:
     # kvshuttle_layered_timeout_s: the longest a layer-pipelined load may hold up the step's forward pass (every
     # request in the batch waits for it); past it the load is cancelled and its blocks recomputed
     layered_timeout_s: float = 2.0
+    # kvshuttle_transfer_cpus: CPUs the worker's transfer threads run on (affinity.py); default: the engine's
+    transfer_cpus: tuple[int, ...] | None = None
     digest_key: str = ""  # kvshuttle_digest_key: mixed into every block digest (default: the model)
     cost_model: Mapping[str, float] | None = None  # kvshuttle_cost_model: PolicyConfig cost inputs
     # kvshuttle_secret_file: the deployment secret's file (else KVSHUTTLE_SECRET[_FILE], else the local secret);
@@ -94,7 +97,7 @@ class ShuttleConfig:
                  "kvshuttle_cost_model", "kvshuttle_retention_budget_fraction", "kvshuttle_retain",
                  "kvshuttle_max_ttl_s", "kvshuttle_advertise_host", "kvshuttle_max_concurrent_loads",
                  "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s",
-                 "kvshuttle_load_mode", "kvshuttle_layered_timeout_s"}
+                 "kvshuttle_load_mode", "kvshuttle_layered_timeout_s", "kvshuttle_transfer_cpus"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
@@ -132,6 +135,7 @@ class ShuttleConfig:
             max_concurrent_loads=_int(extra, "kvshuttle_max_concurrent_loads", 4, minimum=1),
             load_mode=_choice(extra, "kvshuttle_load_mode", "async", LOAD_MODES),
             layered_timeout_s=_seconds(extra, "kvshuttle_layered_timeout_s", 2.0),
+            transfer_cpus=_cpus(extra.get("kvshuttle_transfer_cpus")),
             digest_key=str(extra.get("kvshuttle_digest_key", model)),
             cost_model=None if cost is None else {str(k): float(v) for k, v in cost.items()},
             secret_file=_optional_text(extra, "kvshuttle_secret_file"),
@@ -161,6 +165,14 @@ def _optional_text(extra: Mapping[str, Any], key: str) -> str | None:
     if value is not None and not (isinstance(value, str) and value):
         raise ConnectorConfigError(f"{key} must be a non-empty string, got {shown(value)}")
     return value
+
+
+def _cpus(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, (list, tuple)) and value and all(is_int(v) and 0 <= v < 65536 for v in value)):
+        raise ConnectorConfigError(f"kvshuttle_transfer_cpus must be a list of CPU numbers, got {shown(value)}")
+    return tuple(sorted({int(v) for v in value}))
 
 
 def _owners(value: Any) -> tuple[str, ...] | None:

@@ -48,6 +48,7 @@ class _Load:
     progress: LayerProgress
     deadline: float  # time.monotonic()
     waited: set[int] = field(default_factory=set)  # layers the forward pass waited for and saw landed
+    blocked_s: float = 0.0  # how long the forward pass was blocked on this load's layers
 
 
 class LayeredLoads:
@@ -84,8 +85,10 @@ class LayeredLoads:
             return
         started = time.monotonic()
         for load in self._loads:
-            if load.progress.wait(layer, load.deadline - time.monotonic()):
+            before = time.monotonic()
+            if load.progress.wait(layer, load.deadline - before):
                 load.waited.add(layer)
+            load.blocked_s += time.monotonic() - before
         self.waited_s += time.monotonic() - started
 
     def settle(self) -> list[ReuseResult]:
@@ -94,6 +97,8 @@ class LayeredLoads:
         return [self._outcome(load) for load in loads]
 
     def _outcome(self, load: _Load) -> ReuseResult:
+        log.info("kvshuttle: request %s: the forward pass waited %.1f ms for its %d layers' KV", load.job.request_id,
+                 load.blocked_s * 1e3, len(load.waited))
         try:
             result = load.future.result(timeout=max(load.deadline - time.monotonic(), 0.0) + SETTLE_GRACE_S)
         except FutureTimeout:

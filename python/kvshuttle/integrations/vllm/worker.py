@@ -30,6 +30,7 @@ from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
 from ...trust import DeploymentSecret
+from .affinity import check_cpus, pin, thread_ids
 from .config import ConnectorConfigError, ShuttleConfig
 from .layered import LayeredLoads, load_failure
 from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata, ShuttleWorkerMeta
@@ -67,6 +68,8 @@ class ShuttleWorker:
         self._stats = ShuttleStats(data={})  # finished loads and notifications since the last stats read
         self._warned: set[str] = set()
         self.board = HandleBoard()  # handles a streaming router takes (board.py)
+        self._transfer_cpus = frozenset(config.transfer_cpus or ())
+        self._transfer_tids: set[int] = set()  # the threads the transfer engine started (affinity.py)
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], backend: str) -> None:
@@ -81,10 +84,16 @@ class ShuttleWorker:
         if rank_port > 65535:
             raise ConnectorConfigError(f"kvshuttle_port={c.port} leaves no port for TP rank {self.tp_rank} (rank r "
                                        f"listens on kvshuttle_port + r <= 65535)")
+        problem = check_cpus(self._transfer_cpus) if self._transfer_cpus else None
+        if problem:
+            raise ConnectorConfigError(f"kvshuttle_transfer_cpus: {problem}")
+        before = thread_ids()
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s,
                                                          peer_timeout_s=c.peer_timeout_s, secret=self.secret))
+        self._transfer_tids = thread_ids() - before
+        self._pin_transfer_threads(loader=False)  # (never this thread: it is the engine's)
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         g = cache.geometry
@@ -276,8 +285,14 @@ class ShuttleWorker:
         c = self.config
         return min(c.load_timeout_s, c.layered_timeout_s) if job.layered else c.load_timeout_s
 
+    def _pin_transfer_threads(self, *, loader: bool = True) -> None:
+        """Keep the transfer threads (and, ``loader``, the calling loader thread) on ``kvshuttle_transfer_cpus``."""
+        if self._transfer_cpus:
+            pin({*self._transfer_tids, 0} if loader else self._transfer_tids, self._transfer_cpus)
+
     def _load(self, job: LoadJob, progress: LayerProgress | None = None) -> ReuseResult:
         assert self.reader is not None and job.handle is not None
+        self._pin_transfer_threads()
         budget = self._timeout(job)
         deadline = job.decided_at + budget
         try:
