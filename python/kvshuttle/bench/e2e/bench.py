@@ -103,6 +103,8 @@ def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tup
     ours = kind.startswith("kvshuttle") or kind == "floor"
     if kind == "kvshuttle_tp":  # an engine's ranks share one core: a busy owner's heartbeats can be late
         extra["kvshuttle_peer_timeout_s"] = 5.0
+    if args.kv_heavy and ours:  # its 2k-token conversation needs 67 of the decode's 256 blocks: over the default 25%
+        extra["kvshuttle_retention_budget_fraction"] = 0.5
     config = shuttle_transfer_config(**extra) if ours else nixl_transfer_config(bidirectional=kind == "nixl", **extra)
     prefill_extra = dict(extra, kvshuttle_load_mode="layered") if kind == "kvshuttle_layered" else dict(extra)
     if ours and args.prefill_transfer_cpus:
