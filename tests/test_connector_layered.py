@@ -283,14 +283,16 @@ def test_less_than_a_block_to_read_layer_by_layer_is_read_asynchronously() -> No
     (1, 4, {"kv_bytes_per_token": 2**20, "bandwidth_bytes_per_s": 1e6, "prefill_tokens_per_s": 0.01},
      False),  # the cost model expects a read longer than half of kvshuttle_layered_timeout_s
     (1, 4, {"kv_bytes_per_token": 64, "bandwidth_bytes_per_s": 1e9, "prefill_tokens_per_s": 1}, True),
+    (1, 4, "cpu host", False),  # the copy shares the compute cores: measured slower (benchmarks/README.md)
 ])
 def test_auto_reads_layer_by_layer_where_it_pays(decode: Any, reader_tp: int, layers: int,
-                                                 cost: dict[str, float] | None, layered: bool) -> None:
+                                                 cost: dict[str, float] | str | None, layered: bool) -> None:
     history, params = decode_turn(decode, 9)
     extra: dict[str, Any] = {"kvshuttle_load_mode": "auto"}
-    if cost is not None:
+    if isinstance(cost, dict):
         extra["kvshuttle_cost_model"] = cost
     s = scheduler("pre", tp_size=reader_tp, num_layers=layers, **extra)
+    s.cpu_host = cost == "cpu host"
     (tokens, asynchronous), meta = schedule(s, history, params, table())
     assert tokens > 0 and asynchronous is not layered and meta.loads[0].layered is layered
 

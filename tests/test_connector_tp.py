@@ -285,13 +285,14 @@ ROLES = SimpleNamespace(SCHEDULER="scheduler", WORKER="worker")
 def test_the_facade_starts_up_at_tp_and_refuses_other_parallelism(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connector_module, "KVConnectorRole", ROLES)
     monkeypatch.setattr(connector_module, "worker_tp_rank", lambda: 1)
+    monkeypatch.setattr(connector_module, "on_cpu", lambda: True)  # (asks vLLM's platform)
     monkeypatch.setenv("KVSHUTTLE_SECRET", "facade-start-up-secret-" * 2)
     monkeypatch.delenv("KVSHUTTLE_SECRET_FILE", raising=False)
     for name in ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"):
         with pytest.raises(ConnectorConfigError, match=name):
             _Probe(vllm_config({}, tensor_parallel_size=2, **{name: 2}), ROLES.WORKER)
     scheduler = _Probe(vllm_config({}, tensor_parallel_size=2), ROLES.SCHEDULER)._scheduler
-    assert scheduler is not None and scheduler.tp_size == 2
+    assert scheduler is not None and scheduler.tp_size == 2 and scheduler.cpu_host  # auto: never layered here
     worker = _Probe(vllm_config({"kvshuttle_peer_timeout_s": 3}, tensor_parallel_size=2), ROLES.WORKER)._worker
     assert worker is not None
     try:

@@ -237,3 +237,15 @@ def test_the_reproduction_predicts_what_layered_loads_would_gain() -> None:
     assert all(r["layered_s"] >= r["on_s"] - r["read_s"] for r in rows)  # it cannot hide more than the read
     out = format_reproduction(rows, h200_profile())
     assert "layered" in out and "on/lay" in out
+
+
+def test_validation_of_layered_rows_reuses_what_the_connector_read() -> None:
+    """The layered rows: the planner cuts reads to whole blocks exactly as the connector did (and the floor rows
+    reuse what a prefix cache holds); on that one-core run they are predicted without overlap."""
+    path = default_e2e_path().parent / "vm2_e2e_layered.json"
+    result = validate(load_e2e(path), [str(p) for p in default_transfer_paths(path)])
+    layered = [x for x in result["rows"] if x["config"] == "kvshuttle_layered" and x["turn"] > 1]
+    assert len(layered) == 6 and all(x["kind"] == "predicted" for x in layered)
+    assert all(x["predicted_reused"] == x["measured_reused"] and x["measured_reused"] % 32 == 0 for x in layered)
+    assert {"kvshuttle", "nixl", "kvshuttle_layered", "floor"} <= set(result["profiles"])
+    assert all(result["profiles"][k]["num_layers"] == 8 for k in result["profiles"])

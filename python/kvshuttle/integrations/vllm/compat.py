@@ -87,14 +87,15 @@ def attention_backend(vllm_config: Any) -> str:
 
     backends = get_current_attn_backends(vllm_config)
     if not backends:
-        return "CPU_ATTN" if _on_cpu() else "FLASH_ATTN"
+        return "CPU_ATTN" if on_cpu() else "FLASH_ATTN"
     names = {b.get_name() for b in backends}
     if len(names) > 1:
         raise RuntimeError(f"kvshuttle: layers use several attention backends {sorted(names)}; one is supported")
     return str(names.pop())
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """Whether this engine runs on the CPU platform (its reads' bytes are then copied by host threads)."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())

@@ -26,6 +26,7 @@ from .compat import (
     check_version,
     force_recompute_on_load_failure,
     model_name,
+    on_cpu,
     parallel_layout,
     worker_tp_rank,
 )
@@ -55,7 +56,7 @@ class KVShuttleConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             force_recompute_on_load_failure(vllm_config)
             self._attach(ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size,
-                                           num_layers=parallel.num_layers), None)
+                                           num_layers=parallel.num_layers, cpu_host=on_cpu()), None)
         else:  # one worker per tensor-parallel rank, each serving and reading its own head shard
             rank = worker_tp_rank() if parallel.tp_size > 1 else 0
             self._attach(None, ShuttleWorker(config, engine_id, block_size, tp_rank=rank, tp_size=parallel.tp_size,

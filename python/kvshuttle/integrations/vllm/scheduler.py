@@ -53,12 +53,14 @@ CONSUMED = PREFIX + "consumed"  # set in a request's params once its load is sch
 
 class ShuttleScheduler:
     def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
-                 secret: DeploymentSecret | None = None, tp_size: int = 1, num_layers: int = 0) -> None:
+                 secret: DeploymentSecret | None = None, tp_size: int = 1, num_layers: int = 0,
+                 cpu_host: bool = False) -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
         self.num_layers = num_layers  # 0: unknown
+        self.cpu_host = cpu_host  # the CPU platform: host threads copy a read's bytes on the compute cores
         self.policy = config.policy()
         self.secret = secret if secret is not None else config.deployment_secret()
         self._ranks: tuple[ShuttleHandshake, ...] = ()  # every rank's side channel, once all reported
@@ -144,15 +146,17 @@ class ShuttleScheduler:
         return decision.fetch_tokens, not layered  # layered: a synchronous load, computed in this step
 
     def _layered(self, decision: Decision, handle: KVHandle) -> bool:
-        """Whether to read this fetch layer by layer (``kvshuttle_load_mode``). ``auto``: where the reads are
-        direct (owner and reader at the same TP size: whole heads; a head slice is packed and lands whole), the
-        model has more than one layer to overlap, and the cost model (if set) expects the read to take at most
-        half of ``kvshuttle_layered_timeout_s``, the longest it may hold up the step's forward pass."""
+        """Whether to read this fetch layer by layer (``kvshuttle_load_mode``). ``auto``: not on a CPU host (the
+        read's copy shares the cores the forward pass computes on: measured slower than the asynchronous load,
+        benchmarks/README.md), and only where the reads are direct (owner and reader at the same TP size: whole
+        heads; a head slice is packed and lands whole), the model has more than one layer to overlap, and the cost
+        model (if set) expects the read to take at most half of ``kvshuttle_layered_timeout_s``, the longest it
+        may hold up the step's forward pass."""
         mode = self.config.load_mode
         if mode != "auto":
             return mode == "layered"
         expected = decision.cost.transfer_s if decision.cost is not None else 0.0
-        return handle.tp_size == self.tp_size and self.num_layers != 1 \
+        return not self.cpu_host and handle.tp_size == self.tp_size and self.num_layers != 1 \
             and expected <= self.config.layered_timeout_s / 2
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         held = self._decisions.get(request.request_id)  # kept until the commit: fail_load needs it
