@@ -449,6 +449,20 @@ def test_a_read_racing_with_a_reuse_is_reported_at_complete() -> None:
     assert env.owner.freed == [2] and env.ledger.metrics()["draining_handles"] == 0
 
 
+def test_a_block_taken_back_outside_the_claimed_prefix_leaves_the_read_good() -> None:
+    """Found by the ledger's state machine (test_retention_properties): a reader that claimed only block 1's prefix
+    read nothing the owner took back when block 2 goes; its read completes, a read of both blocks is stale."""
+    env = make()
+    h = retain(env, [1, 2])
+    prefix = env.ledger.claim(h.handle_id, h.generation, [1], digests([1, 2])[:1])
+    both = env.ledger.claim(h.handle_id, h.generation)
+    env.ledger.block_freed(2)
+    env.ledger.complete(prefix.claim_id)  # block 1 was pinned and untouched: a good read
+    with pytest.raises(StaleHandleError, match="discard"):
+        env.ledger.complete(both.claim_id)
+    assert env.owner.freed == [1] and env.ledger.metrics()["draining_handles"] == 0
+
+
 def test_generations_only_grow() -> None:
     env = make()
     seen = []

@@ -416,7 +416,7 @@ class RetentionLedger:
             self._counts["claim_timeouts"] += 1
             self._close_claim(record, "timed out")
             raise ClaimLostError(claim_id, "timed out")
-        stale = handle.reused
+        stale = not handle.reused.isdisjoint(claim.block_ids)  # a block outside the claimed prefix does not matter
         self._close_claim(record, "stale" if stale else "completed")
         if stale:
             self._refusals["stale"] += 1
@@ -533,7 +533,7 @@ class RetentionLedger:
         if record is None:
             return []
         for holder in record.holders:
-            holder.reused = True
+            holder.reused.add(block)
         return record.holders
 
     def _detach(self, handle: _Retained) -> list[int]:

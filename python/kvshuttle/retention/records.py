@@ -19,7 +19,7 @@ class _Retained:
         self.generation = 0
         self.claims = 0  # reads in flight
         self.ended: str | None = None  # an END_REASONS entry once it can no longer be claimed
-        self.reused = False  # one of its blocks went back to the owner: what a read in flight got is stale
+        self.reused: set[int] = set()  # its blocks that went back to the owner: a read in flight of one is stale
         self.once = False  # use-once: `readers` claims at most, and `readers` completed reads free it
         self.readers = 0  # use-once: the reader ranks expected, fixed by the first granted claim (0: none yet)
         self.done = 0  # use-once: reads completed so far

@@ -60,7 +60,7 @@ class LayeredLoads:
         self.layer_index = dict(layer_index)
         self.num_layers = num_layers
         self._loads: list[_Load] = []
-        self.waited_s = 0.0  # how long the forward passes waited for layers, since the last take_waited
+        self.waited_s = 0.0  # how long forward passes waited for layers (the worker takes it into its stats)
         self._unknown: set[str] = set()
 
     def __len__(self) -> int:

@@ -158,6 +158,7 @@ class ShuttleScheduler:
         expected = decision.cost.transfer_s if decision.cost is not None else 0.0
         return not self.cpu_host and handle.tp_size == self.tp_size and self.num_layers != 1 \
             and expected <= self.config.layered_timeout_s / 2
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         held = self._decisions.get(request.request_id)  # kept until the commit: fail_load needs it
         if num_external_tokens <= 0 or held is None:
