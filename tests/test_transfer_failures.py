@@ -177,14 +177,16 @@ def test_bad_block_ids_name_the_destination_blocks(owner: OwnerProcess, reader: 
 def test_owner_staging_exhausted(owner: OwnerProcess, reader: tuple[TransferEngine, Any]) -> None:
     engine, cache = reader
     peer = engine.connect(address(owner, "tiny"))
-    first = engine.read(peer, np.arange(0, 6), np.arange(0, 6), path="packed")
-    second = engine.read(peer, np.arange(10, 14), np.arange(10, 14), path="packed")
+    # The first read holds the owner's one staging chunk for its 10 chunks (>= 1.5 s of pack delay), a window
+    # wide enough that the second request reaches the owner inside it even on a loaded CI machine.
+    first = engine.read(peer, np.arange(0, 20), np.arange(0, 20), path="packed")
+    second = engine.read(peer, np.arange(24, 28), np.arange(24, 28), path="packed")
     with pytest.raises(StagingExhaustedError, match="staging chunks on the owner are in use") as info:
         second.wait(10)
-    assert info.value.invalid_block_ids == tuple(range(10, 14))
+    assert info.value.invalid_block_ids == tuple(range(24, 28))
     first.wait(20)
     source = build_cache(GEO, OWNERS["tiny"].seed)
-    assert np.array_equal(token_bytes(cache, range(6), 96), token_bytes(source, range(6), 96))
+    assert np.array_equal(token_bytes(cache, range(20), 320), token_bytes(source, range(20), 320))
     assert_clean(engine, owner)
 
 
