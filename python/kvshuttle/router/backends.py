@@ -1,4 +1,5 @@
-"""Backend choice and health: round-robin or least-loaded over the healthy backends of one role.
+"""Backend choice and health: round-robin or least-loaded over the healthy backends of one role, or a
+conversation's own backend (affinity: the one that served it last, else its rendezvous-hash home).
 
 A backend is marked down by a failed request (at once) or a failed health check, and up again by a passing
 health check (``GET /health``, what vLLM's server answers). When every backend of a role is down the router
@@ -8,15 +9,28 @@ still tries them all (a health check may lag a recovery): a request is refused o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import Literal
 
 import aiohttp
 
 from .config import BackendSpec, Balance
 
 log = logging.getLogger("kvshuttle.router")
+
+BACKEND_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)  # what a failed backend request raises
+#: How a backend was chosen (the ``how`` label of ``kvshuttle_router_affinity_total``).
+Chosen = Literal["sticky", "hashed", "failover", "balanced"]
+
+
+def home_score(key: str, name: str) -> int:
+    """Rendezvous (highest-random-weight) score of backend ``name`` for conversation ``key``: every router
+    replica ranks a conversation's backends alike with no shared state, and removing a backend moves only the
+    conversations whose home it was."""
+    return int.from_bytes(hashlib.blake2b(f"{key}|{name}".encode(), digest_size=8).digest(), "big")
 
 
 class Backend:
@@ -58,6 +72,29 @@ class BackendPool:
         if self.balance == "least_loaded":  # stable sort: ties keep round-robin order
             return min(ordered, key=lambda b: b.in_flight)
         return ordered[0]
+
+    def choose_for(self, key: str | None, sticky: str | None = None,
+                   exclude: frozenset[str] = frozenset()) -> tuple[Backend | None, Chosen]:
+        """The backend for conversation ``key`` (None: :meth:`choose`): ``sticky`` (the backend that served it
+        last, whose cache holds it) while it is healthy and not excluded, else the healthy backend that ranks
+        first by :func:`home_score`. Hashing is stable: a failed home is left only while it is down."""
+        if key is None:
+            return self.choose(exclude), "balanced"
+        candidates = [b for b in self.backends if b.name not in exclude]
+        if not candidates:
+            return None, "failover"
+        healthy = [b for b in candidates if b.healthy] or candidates
+        if sticky is not None:
+            for b in healthy:
+                if b.name == sticky:
+                    return b, "sticky"
+        best = max(healthy, key=lambda b: home_score(key, b.name))
+        home = best if len(healthy) == len(self.backends) else max(self.backends,
+                                                                  key=lambda b: home_score(key, b.name))
+        return best, "hashed" if best is home else "failover"
+
+    def find(self, name: str | None) -> Backend | None:
+        return next((b for b in self.backends if b.name == name), None) if name is not None else None
 
     def mark(self, backend: Backend, healthy: bool, why: str = "") -> None:
         if backend.healthy != healthy:

@@ -22,9 +22,11 @@ from .redact import redact_url
 Connector = Literal["kvshuttle", "nixl"]
 Reads = Literal["use_once", "multi"]
 Balance = Literal["round_robin", "least_loaded"]
+Affinity = Literal["conversation", "none"]
 CONNECTORS: tuple[Connector, ...] = ("kvshuttle", "nixl")
 READS: tuple[Reads, ...] = ("use_once", "multi")
 BALANCES: tuple[Balance, ...] = ("round_robin", "least_loaded")
+AFFINITIES: tuple[Affinity, ...] = ("conversation", "none")
 DEFAULT_TENANT = "default"  # every request's tenant when neither a tenant header nor API keys are configured
 SECRET_FIELDS = ("api_keys", "backend_api_key", "secret")  # never shown by repr
 
@@ -101,7 +103,13 @@ class RouterConfig:
     tenant_header: str | None = None  # e.g. "X-Tenant" set by a trusted gateway
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant; then keys are required
     reads: Reads = "use_once"  # must match the decode's kvshuttle_reads (use_once: vLLM's behaviour)
-    balance: Balance = "round_robin"
+    balance: Balance = "round_robin"  # turns without a conversation (or every turn with affinity "none")
+    # "conversation": a conversation's turns stay on the prefill and decode that served it (their prefix caches
+    # hold it), else on its rendezvous-hash home; reverse reads cover the turns that land elsewhere.
+    affinity: Affinity = "conversation"
+    # A chat turn whose new messages are estimated at most this many tokens goes straight to the decode that
+    # holds the conversation, which computes it from its own prefix cache (no prefill, no transfer). 0: never.
+    decode_local_max_tokens: int = 0
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0  # one prefill request (max_tokens=1) end to end
     read_timeout_s: float = 600.0  # longest silence between two chunks of a decode's answer
@@ -144,6 +152,11 @@ class RouterConfig:
             raise RouterConfigError(f"--reads is one of {READS}, got {shown(self.reads)}")
         if self.balance not in BALANCES:
             raise RouterConfigError(f"--balance is one of {BALANCES}, got {shown(self.balance)}")
+        if self.affinity not in AFFINITIES:
+            raise RouterConfigError(f"--affinity is one of {AFFINITIES}, got {shown(self.affinity)}")
+        if type(self.decode_local_max_tokens) is not int or not 0 <= self.decode_local_max_tokens <= 1 << 20:
+            raise RouterConfigError(f"decode_local_max_tokens must be an int in [0, 1048576], got "
+                                    f"{shown(self.decode_local_max_tokens)}")
         for name in ("ttl_s", "decode_ttl_s", "sweep_interval_s", "connect_timeout_s", "prefill_timeout_s",
                      "read_timeout_s", "health_interval_s", "publish_timeout_s", "store_timeout_s", "body_timeout_s",
                      "client_write_timeout_s", "client_idle_timeout_s"):

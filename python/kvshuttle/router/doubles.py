@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import secrets
 import sys
@@ -44,6 +45,7 @@ from ..policy.kv_handle import KVHandle
 from ..trust import GRANT_FIELD, DeploymentSecret, grant_valid
 
 BLOCK_SIZE = 16
+_ARRIVALS = itertools.count()  # one order over every double of the process (which backend got a turn first)
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -93,7 +95,7 @@ class FakeVllm:
         self._arrived = 0
         self._active = 0
         self.stats = Stats()
-        self.requests: list[dict[str, Any]] = []  # {"path", "body", "headers"} of each completion request
+        self.requests: list[dict[str, Any]] = []  # {"path", "body", "headers", "order"} per completion request
         self.issued_params: list[dict[str, Any] | None] = []  # decode: the params each answer returned
         self.keep_requests = True
         self.name = f"{role}-{uuid.uuid4().hex[:6]}"
@@ -197,7 +199,8 @@ class FakeVllm:
         else:
             self.stats.ungranted += 1
         if self.keep_requests:
-            self.requests.append({"path": request.path, "body": body, "headers": CIMultiDict(request.headers)})
+            self.requests.append({"path": request.path, "body": body, "headers": CIMultiDict(request.headers),
+                                  "order": next(_ARRIVALS)})
         if self.behaviour == "hang":
             await asyncio.sleep(3600)
         if self.behaviour == "fail":

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .placement import PLACEMENTS
+
 # Router's own time on the path to the first byte: sub-millisecond is the goal, so fine buckets there.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
                    0.1, 0.25, 1.0)
 LOOKUPS = ("hit", "miss", "expired", "foreign", "store_error", "no_conversation", "no_tenant")
+CHOSEN = ("sticky", "hashed", "failover", "balanced")  # backends.Chosen
 
 
 class RouterMetrics:
@@ -54,10 +57,22 @@ class RouterMetrics:
         self.events_dropped = Counter("kvshuttle_router_stream_events_dropped",
                                       "Streamed events naming kv_transfer_params that were not JSON objects "
                                       "(dropped, never shown)", registry=r)
-        self.releases = Counter("kvshuttle_router_releases", "Decode retentions released on DELETE",
+        self.releases = Counter("kvshuttle_router_releases",
+                                "Decode retentions released (on DELETE, and after a decode-local turn)",
                                 ["result"], registry=r)
+        self.placements = Counter("kvshuttle_router_placements",
+                                  "Turns by where they were computed: decode_local (on the decode holding the "
+                                  "conversation), reverse_read (a prefill given the conversation's handle), "
+                                  "recompute (a prefill or decode without one)", ["choice"], registry=r)
+        self.affinities = Counter("kvshuttle_router_affinity",
+                                  "Backend choices: sticky (the backend that served the conversation last), hashed "
+                                  "(its rendezvous-hash home), failover (the next in hash order), balanced (no "
+                                  "conversation, or affinity off)", ["role", "how"], registry=r)
         # Children bound once: a labels() lookup per request is measurable at 500 req/s.
         self.lookup = {name: self.lookups.labels(name) for name in LOOKUPS}
+        self.placement = {name: self.placements.labels(name) for name in PLACEMENTS}
+        self.affinity = {(role, how): self.affinities.labels(role, how) for role in ("prefill", "decode")
+                         for how in CHOSEN}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,13 +43,15 @@ from aiohttp import web
 from ..trust import GRANT_FIELD, DeploymentSecret, TrustError, is_loopback, issue_grant
 from . import relay
 from .auth import ApiKeys, header_tenant
-from .backends import Backend, BackendPool
+from .backends import BACKEND_FAILURES, Backend, BackendPool
 from .bodies import CHAT, COMPLETIONS, PRIVATE_MARKERS, BadRequest, client_error_body, parse_body, read_body
 from .config import DEFAULT_TENANT, RouterConfig
+from .endpoints import Endpoints
 from .errors import RouterConfigError, StoreError
 from .handles import InvalidHandle, checked_handle, prefill_params, store_key, valid_id
 from .kv import Releaser, SideChannelCalls, Taker
 from .metrics import RouterMetrics
+from .placement import Placement, decode_local
 from .redact import install_filter, redact_url, register, scrub, url_secrets
 from .relay import error_response as _error
 from .sse import EventFilter, StreamFormatError
@@ -60,7 +62,6 @@ log = logging.getLogger("kvshuttle.router")
 PUBLISH_KEY = "kvshuttle_publish_key"  # kvshuttle.transfer.board.PUBLISH_KEY (not imported: no pyzmq needed)
 NO_PREFILL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False}  # decode computes the prompt itself
 PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
-BACKEND_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -80,6 +81,7 @@ class Turn:
     decode: str | None = None
     learned: str = "no"
     first_byte: bool = False
+    placement: Placement = "recompute"
 
     @property
     def key(self) -> str | None:
@@ -88,7 +90,7 @@ class Turn:
         return store_key(self.tenant, self.conversation)
 
 
-class Router:
+class Router(Endpoints):
     """The router's state and its aiohttp application (:meth:`app`; :meth:`runner` serves it)."""
 
     def __init__(self, config: RouterConfig, *, store: HandleStore | None = None, taker: Taker | None = None,
@@ -124,6 +126,7 @@ class Router:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:12]  # request ids: unique per router process, not secret
         self._tasks: list[asyncio.Task[None]] = []
+        self._later: set[asyncio.Task[Any]] = set()  # work after a turn, off its path (_background)
         if config.connector == "kvshuttle" and not all(d.kv_address for d in config.decode):
             log.warning("router: decode backends without kv=HOST:PORT: streamed turns there cannot learn their "
                         "handle from a board (the next turn recomputes unless the stream carries it)")
@@ -172,9 +175,9 @@ class Router:
                  f"from header {cfg.tenant_header}" if cfg.tenant_header else "one shared", self.secret)
 
     async def _close(self, _: web.Application) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._later]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._later, return_exceptions=True)
         await self.store.close()
         if self._session is not None:
             await self._session.close()
@@ -187,69 +190,6 @@ class Router:
             await asyncio.sleep(interval)
             for pool in (self.prefill, self.decode):
                 await pool.check(self._session, min(interval, self.config.connect_timeout_s))
-
-    # -- small endpoints ------------------------------------------------------------------------------------
-    async def _health(self, _: web.Request) -> web.Response:
-        def pool(p: BackendPool) -> list[dict[str, Any]]:
-            return [{"name": b.name, "healthy": b.healthy, "in_flight": b.in_flight} for b in p.backends]
-
-        up = any(b.healthy for b in self.decode.backends)  # a decode alone can answer (recompute turns)
-        body = {"status": "ok" if up else "unavailable", "prefill": pool(self.prefill), "decode": pool(self.decode),
-                "store": "memory" if self.config.store == "memory" else "redis"}
-        return web.json_response(body, status=200 if up else 503)
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        try:
-            self.metrics.live.set(await self.store.live())
-        except StoreError:
-            self.metrics.store_errors.labels("count").inc()
-        if isinstance(self.store, MemoryStore):
-            self.metrics.store_bytes.set(self.store.bytes)
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
-
-    async def _models(self, request: web.Request) -> web.Response:
-        assert self._session is not None
-        if self._keys and self._tenant(request) is None:
-            return _error(401, "missing or unknown API key", "authentication_error")
-        backend = self.decode.choose()
-        assert backend is not None
-        try:
-            async with self._session.get(backend.url + "/v1/models", headers=self._auth(request)) as resp:
-                return web.Response(body=client_error_body(await resp.read(), resp.status), status=resp.status,
-                                    content_type="application/json")
-        except BACKEND_FAILURES as exc:
-            return _error(502, f"decode backend {backend.name} failed: {type(exc).__name__}", "backend_error")
-
-    async def _delete(self, request: web.Request) -> web.Response:
-        tenant = self._tenant(request)
-        if self._keys and tenant is None:
-            return _error(401, "missing or unknown API key", "authentication_error")
-        conversation = valid_id(request.match_info["conversation"])
-        if tenant is None or conversation is None:
-            return _error(400, "a tenant and a conversation id are needed to delete a conversation")
-        key = store_key(tenant, conversation)
-        try:
-            entry = await self.store.delete(key)
-        except StoreError as exc:
-            self.metrics.store_errors.labels("delete").inc()
-            log.warning("router: deleting conversation %s failed: %s", conversation, exc)
-            return _error(503, "the handle store is unavailable; retry later", "store_error")
-        released = False
-        if entry is not None and self.config.connector == "kvshuttle":
-            released = await self._release_quietly(entry)
-        log.info("conversation deleted", extra={"kv": {"conversation": conversation, "deleted": entry is not None,
-                                                       "released": released}})
-        return web.json_response({"id": conversation, "deleted": entry is not None, "released": released})
-
-    async def _release_quietly(self, entry: StoredHandle) -> bool:
-        try:
-            released = await self._release(entry.params)
-        except Exception as exc:  # a dead decode frees the blocks at its TTL anyway
-            log.info("router: release on %s failed: %s: %s", entry.decode, type(exc).__name__, exc)
-            self.metrics.releases.labels("failed").inc()
-            return False
-        self.metrics.releases.labels("released" if released else "gone").inc()
-        return released
 
     # -- the turn -------------------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -289,19 +229,50 @@ class Router:
             self.metrics.client_params_dropped.inc()
         turn = Turn(endpoint, f"kvshuttle-{self._id_prefix}-{next(self._ids)}", body.get("stream") is True,
                     tenant, conversation)
-        handle = await self._lookup(turn)
+        entry = await self._lookup(turn)
         headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
-        p_params, failed = await self._prefill(turn, body, handle, headers)
-        if failed is not None:
-            return failed
-        response = await self._decode(turn, request, body, p_params, headers)
+        local = self._decode_local(turn, endpoint, body, entry)
+        if local is not None:  # computed on the decode that holds the conversation: no prefill, no transfer
+            turn.placement = "decode_local"
+            response = await self._decode(turn, request, body, None, headers, entry, prefer=local)
+            if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
+                self._background(self._release_quietly(entry))  # the new turn's handle holds the history now
+        else:
+            p_params, failed = await self._prefill(turn, body, entry, headers)
+            if failed is not None:
+                return failed
+            response = await self._decode(turn, request, body, p_params, headers, entry)
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
+        self.metrics.placement[turn.placement].inc()
         log.info("turn", extra={"kv": {"request_id": turn.request_id, "endpoint": endpoint, "stream": turn.stream,
                                        "conversation": turn.conversation, "lookup": turn.lookup,
-                                       "prefill": turn.prefill, "decode": turn.decode, "learned": turn.learned,
-                                       "status": response.status,
+                                       "placement": turn.placement, "prefill": turn.prefill, "decode": turn.decode,
+                                       "learned": turn.learned, "status": response.status,
                                        "seconds": round(time.perf_counter() - turn.started, 4)}})
         return response
+
+    def _decode_local(self, turn: Turn, endpoint: str, body: dict[str, Any],
+                      entry: StoredHandle | None) -> Backend | None:
+        """The decode holding the conversation, when this turn is short enough to compute there
+        (``decode_local_max_tokens``) and that decode is up; else None (the turn goes through a prefill)."""
+        if entry is None or decode_local(self.config.decode_local_max_tokens, endpoint, body) is None:
+            return None
+        backend = self.decode.find(entry.decode)
+        return backend if backend is not None and backend.healthy else None
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` after the turn, off its path; kept referenced until done (closed with the router)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    def _choose(self, pool: BackendPool, turn: Turn, sticky: str | None, tried: set[str]) -> Backend | None:
+        """The next backend of ``pool`` for the turn: its conversation's own (affinity) or the balanced choice."""
+        key = turn.key if self.config.affinity == "conversation" else None
+        backend, how = pool.choose_for(key, sticky, frozenset(tried))
+        if backend is not None:
+            self.metrics.affinity[(pool.role, how)].inc()
+        return backend
 
     def _refused(self, endpoint: str, status: int, message: str, kind: str = "invalid_request_error",
                  close: bool = False) -> web.Response:
@@ -330,7 +301,7 @@ class Router:
             params[GRANT_FIELD] = issue_grant(self.secret)
         return params
 
-    async def _lookup(self, turn: Turn) -> dict[str, Any] | None:
+    async def _lookup(self, turn: Turn) -> StoredHandle | None:
         key = turn.key
         if key is None:
             turn.lookup = "no_conversation" if turn.conversation is None else "no_tenant"
@@ -349,12 +320,13 @@ class Router:
             return None
         turn.lookup = found.status
         self.metrics.lookup[found.status].inc()
-        return found.entry.params if found.entry is not None else None
+        return found.entry
 
-    async def _prefill(self, turn: Turn, body: dict[str, Any], handle: dict[str, Any] | None,
+    async def _prefill(self, turn: Turn, body: dict[str, Any], entry: StoredHandle | None,
                        headers: dict[str, str]) -> tuple[dict[str, Any] | None, web.Response | None]:
         """Prefill's returned params (None: the decode computes the prompt), or a client error to return."""
         assert self._session is not None
+        handle = entry.params if entry is not None else None
         request = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         request["stream"], request["max_tokens"] = False, 1
         if "max_completion_tokens" in request:
@@ -362,7 +334,7 @@ class Router:
         tried: set[str] = set()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
         for attempt in range(1 + self.config.retries):
-            backend = self.prefill.choose(frozenset(tried))
+            backend = self._choose(self.prefill, turn, entry.prefill if entry is not None else None, tried)
             if backend is None:
                 break
             tried.add(backend.name)
@@ -389,6 +361,7 @@ class Router:
                 self.metrics.backend_errors.labels("prefill", backend.name).inc()
                 continue
             turn.prefill = backend.name
+            turn.placement = "reverse_read" if handle is not None and attempt == 0 else "recompute"
             try:
                 params = json.loads(data).get("kv_transfer_params")
             except (ValueError, AttributeError, RecursionError):
@@ -401,18 +374,24 @@ class Router:
         pool.mark(backend, False, f"{type(exc).__name__}: {scrub(str(exc))}")
 
     async def _decode(self, turn: Turn, client: web.Request, body: dict[str, Any], p_params: dict[str, Any] | None,
-                      headers: dict[str, str]) -> web.StreamResponse:
+                      headers: dict[str, str], entry: StoredHandle | None,
+                      prefer: Backend | None = None) -> web.StreamResponse:
+        """The decode's answer, relayed; ``prefer``: the first backend to try (a decode-local turn's)."""
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                         sock_read=self.config.read_timeout_s)
         tried: set[str] = set()
         for attempt in range(1 + self.config.retries):
-            backend = self.decode.choose(frozenset(tried))
+            # the decode that holds the conversation first: its prefix cache holds the history, so it reads
+            # only the new prompt's blocks from the prefill
+            backend = prefer if attempt == 0 and prefer is not None else \
+                self._choose(self.decode, turn, entry.decode if entry is not None else None, tried)
             if backend is None:
                 break
             tried.add(backend.name)
             if attempt:
                 self.metrics.retries.labels("decode").inc()
+                turn.placement = "recompute"
             # A retry recomputes: prefill's params may name use-once blocks the failed decode already claimed.
             params = dict(p_params if p_params is not None and attempt == 0 else NO_PREFILL_PARAMS)
             publish = self._publish_key(turn, backend)
@@ -577,7 +556,7 @@ class Router:
                         exc.reason, exc)
             return
         entry = StoredHandle(turn.tenant, turn.conversation, stored, backend.name, backend.spec.kv_address,
-                             self._clock() + min(self.config.ttl_s, life))
+                             self._clock() + min(self.config.ttl_s, life), turn.prefill)
         try:
             await self.store.put(key, entry)
         except StoreError as exc:

@@ -48,6 +48,7 @@ class StoredHandle:
     decode: str  # the backend that issued it (name)
     kv_address: str | None  # that decode's side channel (release / renew), kvshuttle only
     expires_at: float  # wall clock
+    prefill: str | None = None  # the prefill that served the turn (affinity: its prefix cache holds the prompt)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -59,8 +60,9 @@ class StoredHandle:
     @classmethod
     def from_json(cls, text: str | bytes) -> StoredHandle:
         data = json.loads(text)
+        prefill = data.get("prefill")  # absent in entries a router before affinity stored
         return cls(str(data["tenant"]), str(data["conversation"]), dict(data["params"]), str(data["decode"]),
-                   data["kv_address"], float(data["expires_at"]))
+                   data["kv_address"], float(data["expires_at"]), prefill if isinstance(prefill, str) else None)
 
 
 @dataclass(frozen=True)

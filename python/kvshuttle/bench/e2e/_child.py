@@ -58,8 +58,9 @@ class _Server:
         self.fillers = 0
 
     # -------------------------------------------------------------------------------------------- requests
-    def _run(self, prompt_token_ids: list[int], params: Any) -> tuple[Any, float]:
-        """Submit one request and step the engine until it finishes; returns (final output, seconds)."""
+    def _run(self, prompt_token_ids: list[int], params: Any, cache_salt: str | None = None) -> tuple[Any, float]:
+        """Submit one request and step the engine until it finishes; returns (final output, seconds).
+        ``cache_salt``: vLLM's per-request prefix-cache isolation (a salted request hits no other's blocks)."""
         from vllm.inputs import TokensPrompt  # type: ignore[import-not-found, unused-ignore]
 
         engine = self.llm.llm_engine
@@ -67,7 +68,10 @@ class _Server:
         # enqueue returns the internal id ("<n>-<hex>"); outputs carry the external one ("<n>"). One request
         # is in flight at a time, so the finished output is ours; never step an engine with nothing to do
         # (step() blocks on EngineCore's output queue).
-        self.llm.enqueue(TokensPrompt(prompt_token_ids=list(prompt_token_ids)), params, use_tqdm=False)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        self.llm.enqueue(prompt, params, use_tqdm=False)
         final = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -91,7 +95,7 @@ class _Server:
         extra = {"kv_transfer_params": msg["kv_transfer_params"]} if msg.get("kv_transfer_params") else None
         params = SamplingParams(temperature=0.0, max_tokens=int(msg["max_tokens"]), logprobs=msg.get("logprobs"),
                                 ignore_eos=bool(msg.get("ignore_eos", True)), extra_args=extra)
-        out, latency = self._run(msg["prompt_token_ids"], params)
+        out, latency = self._run(msg["prompt_token_ids"], params, msg.get("cache_salt"))
         comp = out.outputs[0]
         first_logprobs: dict[int, float] | None = None
         if comp.logprobs:

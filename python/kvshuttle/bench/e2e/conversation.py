@@ -43,7 +43,8 @@ class Engine(Protocol):
     """What the driver needs from an engine (``VllmEngine`` has it)."""
 
     def generate(self, prompt_token_ids: list[int], max_tokens: int,
-                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]: ...
+                 kv_transfer_params: dict[str, Any] | None = None, *,
+                 cache_salt: str | None = None) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -162,11 +163,15 @@ def run_pd_conversation(prefill: Engine, decode: Engine, plan: ConversationPlan,
     return turns
 
 
-def run_local_conversation(engine: Engine, turns: list[Turn]) -> list[dict[str, Any]]:
-    """Replay each turn's prompt on one engine with no transfer parameters; attach and return the results."""
+def run_local_conversation(engine: Engine, turns: list[Turn], *, cache_salt: str | None = None,
+                           ) -> list[dict[str, Any]]:
+    """Replay each turn's prompt on one engine with no transfer parameters; attach and return the results.
+    ``cache_salt``: each replay computes its whole prompt even where the engine's prefix cache holds blocks that
+    reverse reads wrote (an independent reference)."""
     results = []
     for turn in turns:
-        out = engine.generate(turn.prompt, len(turn.answer), None)
+        out = engine.generate(turn.prompt, len(turn.answer), None,
+                              **({"cache_salt": f"{cache_salt}-{turn.turn}"} if cache_salt else {}))
         turn.reference = out
         results.append(out)
     return results

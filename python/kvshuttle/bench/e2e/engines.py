@@ -316,17 +316,19 @@ class VllmEngine:
     # -------------------------------------------------------------------------------------------- requests
     def generate(self, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
                  *, logprobs: int | None = 5, ignore_eos: bool = True, timeout_s: float | None = None,
-                 ) -> dict[str, Any]:
+                 cache_salt: str | None = None) -> dict[str, Any]:
         """Greedy generation of ``max_tokens`` tokens for a token-id prompt.
 
         Returns ``token_ids``, ``kv_transfer_params`` (what vLLM put on the final output), ``ttft_s``,
         ``engine_ttft_s``, ``engine_queue_s``, ``latency_s``, ``first_logprobs`` (top ``logprobs`` of the
         first sampled token, ``{token_id: logprob}``), ``num_prompt_tokens``, ``num_cached_tokens``,
         ``finish_reason``, ``request_id``. ``kv_transfer_params`` goes to vLLM as
-        ``SamplingParams(extra_args={"kv_transfer_params": ...})``.
+        ``SamplingParams(extra_args={"kv_transfer_params": ...})``. ``cache_salt``: the request neither hits nor
+        feeds other requests' prefix-cache blocks (an independent reference on an engine whose cache is on).
         """
         msg = {"op": "generate", "prompt_token_ids": list(prompt_token_ids), "max_tokens": max_tokens,
-               "kv_transfer_params": kv_transfer_params, "logprobs": logprobs, "ignore_eos": ignore_eos}
+               "kv_transfer_params": kv_transfer_params, "logprobs": logprobs, "ignore_eos": ignore_eos,
+               "cache_salt": cache_salt}
         result: dict[str, Any] = self._call(msg, timeout_s or self.spec.request_timeout_s, what="generate")
         return result
 
