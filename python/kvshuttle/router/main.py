@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .config import BALANCES, CONNECTORS, READS, RouterConfig, check_exposure, load_api_keys, parse_backend
+from .config import AFFINITIES, BALANCES, CONNECTORS, READS, RouterConfig, check_exposure, load_api_keys, parse_backend
 from .errors import RouterConfigError
 from .redact import (
     BACKEND_API_KEY_ENV,
@@ -74,7 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a non-loopback --host without --api-keys or --tenant-header (one tenant for all)")
     parser.add_argument("--reads", choices=READS, default="use_once",
                         help="use_once takes a handle atomically; multi keeps it (match the decode's kvshuttle_reads)")
-    parser.add_argument("--balance", choices=BALANCES, default="round_robin")
+    parser.add_argument("--balance", choices=BALANCES, default="round_robin",
+                        help="for turns without a conversation (or every turn with --affinity none)")
+    parser.add_argument("--affinity", choices=AFFINITIES, default="conversation",
+                        help="conversation: a conversation stays on the prefill and decode that served it (their "
+                             "prefix caches hold it), else on its rendezvous-hash home")
+    parser.add_argument("--decode-local-max-tokens", type=int, default=0, metavar="N",
+                        help="a chat turn adding at most about N tokens is computed on the decode that holds the "
+                             "conversation (no prefill, no transfer); 0: never")
     parser.add_argument("--max-in-flight", type=int, default=128,
                         help="turns handled at once; more wait their turn (bounds the event loop's lag)")
     parser.add_argument("--retries", type=int, default=1, help="other backends tried per role after a failure")
@@ -133,7 +140,9 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         prefill=[parse_backend(u) for u in args.prefill], decode=[parse_backend(u) for u in args.decode],
         connector=args.connector, store=store_from(args, env), ttl_s=args.ttl, decode_ttl_s=args.decode_ttl,
         max_conversations=args.max_conversations, tenant_header=args.tenant_header, api_keys=api_keys,
-        reads=args.reads, balance=args.balance, retries=args.retries, publish_timeout_s=args.publish_timeout,
+        reads=args.reads, balance=args.balance, affinity=args.affinity,
+        decode_local_max_tokens=args.decode_local_max_tokens, retries=args.retries,
+        publish_timeout_s=args.publish_timeout,
         backend_api_key=backend_key, store_timeout_s=args.store_timeout, max_in_flight=args.max_in_flight,
         max_store_bytes=args.max_store_bytes, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
         client_write_timeout_s=args.client_write_timeout, client_idle_timeout_s=args.client_idle_timeout,

@@ -64,6 +64,8 @@ class RouterMetrics:
                                   "Turns by where they were computed: decode_local (on the decode holding the "
                                   "conversation), reverse_read (a prefill given the conversation's handle), "
                                   "recompute (a prefill or decode without one)", ["choice"], registry=r)
+        self.read_tokens = Counter("kvshuttle_router_read_tokens",
+                                   "Tokens kvshuttle's prefills reported reading back from a decode", registry=r)
         self.affinities = Counter("kvshuttle_router_affinity",
                                   "Backend choices: sticky (the backend that served the conversation last), hashed "
                                   "(its rendezvous-hash home), failover (the next in hash order), balanced (no "

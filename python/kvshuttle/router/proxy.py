@@ -333,6 +333,7 @@ class Router(Endpoints):
             request["max_completion_tokens"] = 1
         tried: set[str] = set()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
+        offer = handle  # what the next attempt sends: a failed prefill may have consumed a use-once handle
         for attempt in range(1 + self.config.retries):
             backend = self._choose(self.prefill, turn, entry.prefill if entry is not None else None, tried)
             if backend is None:
@@ -340,8 +341,7 @@ class Router(Endpoints):
             tried.add(backend.name)
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
-            # A retry goes without the handle: the failed prefill may have consumed a use-once handle.
-            request["kv_transfer_params"] = self._granted(prefill_params(handle if attempt == 0 else None))
+            request["kv_transfer_params"] = self._granted(prefill_params(offer))
             started = time.perf_counter()
             backend.in_flight += 1
             try:
@@ -350,10 +350,13 @@ class Router(Endpoints):
                     status, data = resp.status, await resp.read()
             except BACKEND_FAILURES as exc:
                 self._backend_failed(self.prefill, backend, exc)
+                if not isinstance(exc, aiohttp.ClientConnectorError):  # a refused connection sent nothing:
+                    offer = None  # the handle goes to the next prefill (failover that still reads back)
                 continue
             finally:
                 backend.in_flight -= 1
                 turn.waited += time.perf_counter() - started
+            offer = None
             if 400 <= status < 500:  # the client's request is wrong; the decode would refuse it too
                 return None, web.Response(body=client_error_body(data, status), status=status,
                                           content_type="application/json")
@@ -361,12 +364,21 @@ class Router(Endpoints):
                 self.metrics.backend_errors.labels("prefill", backend.name).inc()
                 continue
             turn.prefill = backend.name
-            turn.placement = "reverse_read" if handle is not None and attempt == 0 else "recompute"
             try:
                 params = json.loads(data).get("kv_transfer_params")
             except (ValueError, AttributeError, RecursionError):
                 params = None
-            return (params if isinstance(params, dict) and params else None), None
+            if not isinstance(params, dict) or not params:
+                params = None
+            # kvshuttle's prefill says how many tokens it read back (none: its own cache held them, or too few
+            # to pay); vLLM's NixlConnector does not, so a handle sent counts as a reverse read there
+            read = params.get("kvshuttle_read_tokens") if params is not None else None
+            sent = bool(request["kv_transfer_params"].get("remote_block_ids"))
+            if type(read) is int and 0 <= read < 1 << 31:
+                self.metrics.read_tokens.inc(read)
+                sent = sent and read > 0
+            turn.placement = "reverse_read" if sent else "recompute"
+            return params, None
         return None, None  # no prefill answered: the decode computes the whole prompt (recompute)
 
     def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
