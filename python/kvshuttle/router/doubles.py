@@ -221,11 +221,11 @@ class FakeVllm:
                                       "type": "BadRequestError", "code": 400}, status=400)
         if self.role == "prefill":
             self._check_handle(body, params, conv)
-            out = self._prefill_params(conv, request)
+            prefilled = self._prefill_params(conv, request)
             if self.connector == "kvshuttle":  # as kvshuttle's connector reports what it read back
                 read = 3 * BLOCK_SIZE if self.read_tokens is None else self.read_tokens
-                out["kvshuttle_read_tokens"] = read if params.get("remote_block_ids") else 0
-            return self._answer(request, body, "x", out)
+                prefilled["kvshuttle_read_tokens"] = read if params.get("remote_block_ids") else 0
+            return self._answer(request, body, "x", prefilled)
         out = self._decode_params(conv, request)
         if body.get("stream"):
             return await self._stream(request, body, out, params.get("kvshuttle_publish_key"))
