@@ -219,7 +219,7 @@ def test_a_prefill_that_refuses_the_connection_passes_the_use_once_handle_on(loo
 
 def test_a_handle_the_prefill_read_nothing_from_counts_as_a_recompute(loop: LoopThread) -> None:
     """A prefill whose own prefix cache held the history (or that found too little to read) reports 0 tokens
-    read: the turn is a recompute of its suffix, not a reverse read."""
+    read: the turn is a recompute of its suffix, not a reverse read, and the unused handle is released."""
     d = deploy(loop)
     try:
         d.prefills[0].read_tokens = 0
@@ -228,5 +228,9 @@ def test_a_handle_the_prefill_read_nothing_from_counts_as_a_recompute(loop: Loop
         assert d.metric("kvshuttle_router_placements_total", choice="reverse_read") == 0
         assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 2
         assert d.metric("kvshuttle_router_read_tokens_total") == 0
+        # the unread handle was released: the decode need not hold the history to its TTL for nobody
+        first = d.decodes[0].issued_params[0]
+        assert first is not None
+        assert wait_until(lambda: d.decodes[0].stats.released == [first["kvshuttle_handle_id"]])
     finally:
         d.close()

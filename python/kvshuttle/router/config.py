@@ -110,6 +110,11 @@ class RouterConfig:
     # A chat turn whose new messages are estimated at most this many tokens goes straight to the decode that
     # holds the conversation, which computes it from its own prefix cache (no prefill, no transfer). 0: never.
     decode_local_max_tokens: int = 0
+    # After a chat turn, send its history to the prefill of the next turn as a 1-token background request, so
+    # that prefill's own prefix cache holds it when the next turn comes (router/prewarm.py). At most
+    # prewarm_max_in_flight per prefill.
+    prewarm: bool = False
+    prewarm_max_in_flight: int = 2
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0  # one prefill request (max_tokens=1) end to end
     read_timeout_s: float = 600.0  # longest silence between two chunks of a decode's answer
@@ -177,6 +182,11 @@ class RouterConfig:
         if self.secret is not None and not isinstance(self.secret, DeploymentSecret):
             raise RouterConfigError(f"secret must be a kvshuttle.trust.DeploymentSecret, got "
                                     f"{type(self.secret).__name__}")
+        if type(self.prewarm) is not bool:
+            raise RouterConfigError(f"prewarm must be a bool, got {shown(self.prewarm)}")
+        if type(self.prewarm_max_in_flight) is not int or not 0 < self.prewarm_max_in_flight <= 1024:
+            raise RouterConfigError(f"prewarm_max_in_flight must be an int in [1, 1024], got "
+                                    f"{shown(self.prewarm_max_in_flight)}")
         if not isinstance(self.max_in_flight, int) or self.max_in_flight <= 0:
             raise RouterConfigError(f"max_in_flight must be a positive int, got {shown(self.max_in_flight)}")
         if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:

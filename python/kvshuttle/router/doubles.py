@@ -92,6 +92,8 @@ class FakeVllm:
         self.stream_params = stream_params  # vLLM 0.33: a stream's last chunk carries kv_transfer_params
         self.behaviour = "ok"
         self.read_tokens: int | None = None  # prefill: what it reports reading back for a handle (None: 3 blocks)
+        self.prewarms: list[dict[str, Any]] = []  # bodies of pre-warm requests (add_generation_prompt false)
+        self.prewarm_gate: asyncio.Event | None = None  # set: pre-warms wait for it
         self.barrier = 0  # > 0: hold each request until this many have arrived (makes overlaps certain)
         self._arrived = 0
         self._active = 0
@@ -199,6 +201,11 @@ class FakeVllm:
             self.stats.granted += 1
         else:
             self.stats.ungranted += 1
+        if body.get("add_generation_prompt") is False:  # a router's pre-warm: one token, nothing to hand over
+            self.prewarms.append(body)
+            if self.prewarm_gate is not None:
+                await self.prewarm_gate.wait()
+            return self._answer(request, body, "x", None)
         if self.keep_requests:
             self.requests.append({"path": request.path, "body": body, "headers": CIMultiDict(request.headers),
                                   "order": next(_ARRIVALS)})

@@ -15,6 +15,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003
                    0.1, 0.25, 1.0)
 LOOKUPS = ("hit", "miss", "expired", "foreign", "store_error", "no_conversation", "no_tenant")
 CHOSEN = ("sticky", "hashed", "failover", "balanced")  # backends.Chosen
+PREWARMS = ("sent", "done", "used", "wasted", "superseded", "busy", "failed", "skipped")
 
 
 class RouterMetrics:
@@ -66,6 +67,11 @@ class RouterMetrics:
                                   "recompute (a prefill or decode without one)", ["choice"], registry=r)
         self.read_tokens = Counter("kvshuttle_router_read_tokens",
                                    "Tokens kvshuttle's prefills reported reading back from a decode", registry=r)
+        self.prewarms = Counter("kvshuttle_router_prewarms",
+                                "Pre-warms: sent, done, used (the next turn went to the prefill warmed), wasted (it "
+                                "went elsewhere, or never came), superseded (the next turn came first), busy (the "
+                                "prefill had prewarm_max_in_flight already), failed, skipped (no answer text)",
+                                ["result"], registry=r)
         self.affinities = Counter("kvshuttle_router_affinity",
                                   "Backend choices: sticky (the backend that served the conversation last), hashed "
                                   "(its rendezvous-hash home), failover (the next in hash order), balanced (no "
@@ -73,6 +79,7 @@ class RouterMetrics:
         # Children bound once: a labels() lookup per request is measurable at 500 req/s.
         self.lookup = {name: self.lookups.labels(name) for name in LOOKUPS}
         self.placement = {name: self.placements.labels(name) for name in PLACEMENTS}
+        self.prewarm = {name: self.prewarms.labels(name) for name in PREWARMS}
         self.affinity = {(role, how): self.affinities.labels(role, how) for role in ("prefill", "decode")
                          for how in CHOSEN}
 

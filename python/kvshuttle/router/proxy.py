@@ -52,6 +52,7 @@ from .handles import InvalidHandle, checked_handle, prefill_params, store_key, v
 from .kv import Releaser, SideChannelCalls, Taker
 from .metrics import RouterMetrics
 from .placement import Placement, decode_local
+from .prewarm import MAX_ANSWER_BYTES, Prewarmer, answer_from_events, answer_from_json
 from .redact import install_filter, redact_url, register, scrub, url_secrets
 from .relay import error_response as _error
 from .sse import EventFilter, StreamFormatError
@@ -82,6 +83,9 @@ class Turn:
     learned: str = "no"
     first_byte: bool = False
     placement: Placement = "recompute"
+    home: str | None = None  # the prefill whose cache holds the conversation (kept across decode-local turns)
+    answer: str | None = None  # the answer's text, kept for a pre-warm
+    capture: list[bytes] | None = None  # a streamed answer's bytes, kept for a pre-warm
 
     @property
     def key(self) -> str | None:
@@ -127,6 +131,8 @@ class Router(Endpoints):
         self._id_prefix = uuid.uuid4().hex[:12]  # request ids: unique per router process, not secret
         self._tasks: list[asyncio.Task[None]] = []
         self._later: set[asyncio.Task[Any]] = set()  # work after a turn, off its path (_background)
+        self._prewarm = Prewarmer(lambda: self._session, self.metrics, config.prewarm_max_in_flight,
+                                  config.prefill_timeout_s, config.max_conversations) if config.prewarm else None
         if config.connector == "kvshuttle" and not all(d.kv_address for d in config.decode):
             log.warning("router: decode backends without kv=HOST:PORT: streamed turns there cannot learn their "
                         "handle from a board (the next turn recomputes unless the stream carries it)")
@@ -178,6 +184,8 @@ class Router(Endpoints):
         for task in [*self._tasks, *self._later]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._later, return_exceptions=True)
+        if self._prewarm is not None:
+            await self._prewarm.close()
         await self.store.close()
         if self._session is not None:
             await self._session.close()
@@ -229,11 +237,17 @@ class Router(Endpoints):
             self.metrics.client_params_dropped.inc()
         turn = Turn(endpoint, f"kvshuttle-{self._id_prefix}-{next(self._ids)}", body.get("stream") is True,
                     tenant, conversation)
+        warm = self._prewarm if endpoint == CHAT and turn.key is not None else None
+        if warm is not None:
+            warm.arrived(turn.key)
+            turn.capture = [] if turn.stream else None
         entry = await self._lookup(turn)
         headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
         local = self._decode_local(turn, endpoint, body, entry)
         if local is not None:  # computed on the decode that holds the conversation: no prefill, no transfer
-            turn.placement = "decode_local"
+            turn.placement, turn.home = "decode_local", entry.prefill if entry is not None else None
+            if warm is not None:
+                warm.placed(turn.key, None)
             response = await self._decode(turn, request, body, None, headers, entry, prefer=local)
             if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
                 self._background(self._release_quietly(entry))  # the new turn's handle holds the history now
@@ -241,7 +255,11 @@ class Router(Endpoints):
             p_params, failed = await self._prefill(turn, body, entry, headers)
             if failed is not None:
                 return failed
+            if warm is not None:
+                warm.placed(turn.key, turn.prefill)
             response = await self._decode(turn, request, body, p_params, headers, entry)
+        if warm is not None and turn.learned == "stored":
+            self._start_prewarm(warm, turn, body, headers)
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         self.metrics.placement[turn.placement].inc()
         log.info("turn", extra={"kv": {"request_id": turn.request_id, "endpoint": endpoint, "stream": turn.stream,
@@ -259,6 +277,16 @@ class Router(Endpoints):
             return None
         backend = self.decode.find(entry.decode)
         return backend if backend is not None and backend.healthy else None
+
+    def _start_prewarm(self, warm: Prewarmer, turn: Turn, body: dict[str, Any], headers: dict[str, str]) -> None:
+        """Pre-warm the prefill the conversation's next turn will go to (see :mod:`.prewarm`)."""
+        answer = turn.answer if turn.capture is None else answer_from_events(turn.capture)
+        sticky = turn.prefill or turn.home
+        backend, _ = self.prefill.choose_for(turn.key if self.config.affinity == "conversation" else None, sticky)
+        if answer is None or backend is None or turn.key is None:
+            warm.count("skipped")
+            return
+        warm.start(turn.key, backend, body, answer, {k: v for k, v in headers.items() if k != "X-Request-Id"})
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` after the turn, off its path; kept referenced until done (closed with the router)."""
@@ -376,6 +404,10 @@ class Router(Endpoints):
             sent = bool(request["kv_transfer_params"].get("remote_block_ids"))
             if type(read) is int and 0 <= read < 1 << 31:
                 self.metrics.read_tokens.inc(read)
+                if sent and not read and entry is not None and self.config.reads == "use_once":
+                    # its own cache held the history (or too little was left to pay): the handle was not used,
+                    # and the decode's next handle supersedes it; the decode need not hold it to its TTL
+                    self._background(self._release_quietly(entry))
                 sent = sent and read > 0
             turn.placement = "reverse_read" if sent else "recompute"
             return params, None
@@ -456,6 +488,8 @@ class Router(Endpoints):
             except (ValueError, RecursionError):
                 answer = None
             if isinstance(answer, dict):
+                if self._prewarm is not None:
+                    turn.answer = answer_from_json(answer)
                 # The handle is a capability on the decode's blocks: it stays between the router and backends.
                 await self._learn(turn, params, backend)
                 data = clean
@@ -492,8 +526,15 @@ class Router(Endpoints):
             await relay.bounded(out.prepare(client), wait)
             await relay.write(client, out, events.feed(first), wait)
             self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
+            keep = turn.capture
+            if keep is not None:
+                keep.append(first)
             async for chunk in chunks:
                 await relay.write(client, out, events.feed(chunk), wait)
+                if keep is not None:
+                    keep.append(chunk)
+                    if len(keep) % 64 == 0 and sum(map(len, keep)) > MAX_ANSWER_BYTES:  # too long to pre-warm
+                        keep = turn.capture = None
             await relay.write(client, out, events.finish(), wait)
         except (relay.ClientGone, relay.ClientSlow) as exc:
             slow = isinstance(exc, relay.ClientSlow)
@@ -568,7 +609,7 @@ class Router(Endpoints):
                         exc.reason, exc)
             return
         entry = StoredHandle(turn.tenant, turn.conversation, stored, backend.name, backend.spec.kv_address,
-                             self._clock() + min(self.config.ttl_s, life), turn.prefill)
+                             self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home)
         try:
             await self.store.put(key, entry)
         except StoreError as exc:
