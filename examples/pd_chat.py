@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,83 +33,18 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvshuttle.bench.e2e.deployment import (
+    COUNTERS,
+    QUESTIONS,
+    ask,
+    context_document,
+    counters,
+    delta,
+    router_counts,
+    start_router,
+)
 from kvshuttle.bench.e2e.engines import free_port, kill_group, shuttle_transfer_config
-from kvshuttle.bench.e2e.serve import ServedEngine, ServeSpec, metric_total
-
-QUESTIONS = ["tell me about the shuttle and the station", "and what about the return trip", "summarise it all"]
-
-
-def context_document(words: int, seed: int = 0) -> str:
-    """A long first message (an agent's tool output, a pasted file): what later turns should not recompute."""
-    rng = random.Random(seed)
-    syllables = ["sta", "tion", "shut", "tle", "or", "bit", "dock", "ing", "port", "fuel", "crew", "log", "ma", "nu"]
-    return " ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words))
-
-
-def start_router(prefills: list[ServedEngine], decode: ServedEngine, decode_kv_port: int, log: Path,
-                 extra: list[str]) -> tuple[Any, str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "kvshuttle.cli", "router", "--prefill", *(p.url for p in prefills),
-            "--decode", f"{decode.url},kv=127.0.0.1:{decode_kv_port}", "--port", str(port), *extra]
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the router exited with {proc.returncode} (log: {log})")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    kill_group(proc.pid)
-    raise RuntimeError(f"the router did not come up (log: {log})")
-
-
-def ask(client: Any, messages: list[dict[str, str]], stream: bool, max_tokens: int,
-        conversation: str | None, cache_salt: str | None = None) -> tuple[str, float]:
-    """(answer, seconds to the first token). ``cache_salt``: the server computes the whole prompt, hitting none
-    of the prefix-cache blocks other requests (or reverse reads) wrote (an independent reference)."""
-    extra: dict[str, Any] = {"ignore_eos": True}
-    if conversation is not None:
-        extra["conversation_id"] = conversation
-    if cache_salt is not None:
-        extra["cache_salt"] = cache_salt
-    t0 = time.perf_counter()
-    if not stream:
-        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
-                                               temperature=0.0, extra_body=extra)
-        return reply.choices[0].message.content or "", time.perf_counter() - t0
-    first, parts = None, []
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
-                                                temperature=0.0, extra_body=extra, stream=True):
-        if chunk.choices and chunk.choices[0].delta.content:
-            first = first or time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-    return "".join(parts), first or time.perf_counter() - t0
-
-
-COUNTERS = {"prompt": "vllm:prompt_tokens_total", "local": "vllm:prefix_cache_hits_total",
-            "read": "vllm:kvshuttle_tokens_read_total"}
-
-
-def counters(engine: ServedEngine) -> dict[str, float]:
-    """An engine's prompt tokens, tokens its own prefix cache served, tokens kvshuttle read in (cumulative)."""
-    text = engine.metrics()
-    return {key: metric_total(text, name) for key, name in COUNTERS.items()}
-
-
-def router_placements(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvshuttle_router_placements_total{"):
-            choice = line.split('choice="', 1)[1].split('"', 1)[0]
-            out[choice] = float(line.rsplit(" ", 1)[1])
-    return out
+from kvshuttle.bench.e2e.serve import ServedEngine, ServeSpec
 
 
 def message(k: int, args: argparse.Namespace, short: set[int]) -> str:
@@ -151,21 +84,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.launch()
         for engine in (*prefills, decode):
             engine.wait_ready()
-        extra = ["--decode-local-max-tokens", str(args.decode_local_max_tokens)]
+        extra = ["--decode-local-max-tokens", str(args.decode_local_max_tokens)] + (["--prewarm"] if args.prewarm
+                                                                                      else [])
         router, url = start_router(prefills, decode, kv_port, logs / "router.log", extra)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
         messages: list[dict[str, str]] = []
         served: int | None = None
         for k in range(args.turns):
+            if k and args.gap_s:
+                time.sleep(args.gap_s)  # an agent's tool call between turns (a pre-warm's time)
             if k + 1 == args.stop_prefill_before and served is not None:
                 prefills[served].close()  # the conversation's prefill fails: the router fails over
                 live.remove(served)
             messages.append({"role": "user", "content": message(k, args, short)})
-            before = [counters(prefills[i]) for i in live], counters(decode), router_placements(url)
+            before = [counters(prefills[i]) for i in live], counters(decode), router_counts(url)
             stream = k % 2 == 1
-            answer, ttft = ask(client, messages, stream, args.max_tokens, "example-conversation")
-            after = [counters(prefills[i]) for i in live], counters(decode), router_placements(url)
-            moved = [{key: a[key] - b[key] for key in COUNTERS} for a, b in zip(after[0], before[0], strict=True)]
+            answer, ttft, _ = ask(client, messages, stream, args.max_tokens, "example-conversation")
+            after = [counters(prefills[i]) for i in live], counters(decode), router_counts(url)
+            moved = [delta(a, b) for a, b in zip(after[0], before[0], strict=True)]
             served = next((live[j] for j, m in enumerate(moved) if m["prompt"] > 0), None)
             placement = [c for c, n in after[2].items() if n > before[2].get(c, 0.0)]
             p = moved[live.index(served)] if served is not None else {key: 0.0 for key in COUNTERS}
@@ -177,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.check:  # the same messages on one live prefill alone, its prefix cache bypassed
                 alone = openai.OpenAI(base_url=prefills[live[0]].url + "/v1", api_key="none", max_retries=0,
                                       timeout=300)
-                reference, _ = ask(alone, messages, False, args.max_tokens, None, cache_salt=f"reference-{k}")
+                reference, _, _ = ask(alone, messages, False, args.max_tokens, None, cache_salt=f"reference-{k}")
                 turn["matches_local"] = answer == reference
             turns.append(turn)
             print(json.dumps(turn) if args.json else
@@ -188,6 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             messages.append({"role": "assistant", "content": answer})
         with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
             router_metrics = reply.read().decode()
+        prewarms = router_counts(url, "prewarms", "result")
     finally:
         if router is not None:
             kill_group(router.pid)
@@ -195,7 +132,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.close()
     hits = sum(float(line.rsplit(" ", 1)[1]) for line in router_metrics.splitlines()
                if line.startswith("kvshuttle_router_handle_lookups_total{") and 'result="hit"' in line)
-    return {"turns": turns, "router_hits": int(hits), "logs": str(logs)}
+    return {"turns": turns, "router_hits": int(hits), "prewarms": prewarms, "logs": str(logs)}
 
 
 def main() -> int:
@@ -213,6 +150,8 @@ def main() -> int:
                              "later turn then reads the whole history back)")
     parser.add_argument("--decode-local-max-tokens", type=int, default=0,
                         help="the router's setting: turns adding at most about N tokens run on the decode alone")
+    parser.add_argument("--prewarm", action="store_true", help="the router pre-warms the next turn's prefill")
+    parser.add_argument("--gap-s", type=float, default=0.0, help="seconds between an answer and the next turn")
     parser.add_argument("--stop-prefill-before", type=int, default=0, metavar="TURN",
                         help="stop the conversation's prefill before this turn (the router fails over)")
     parser.add_argument("--check", action="store_true", help="compare each answer with the prefill server alone")

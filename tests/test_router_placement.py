@@ -234,3 +234,15 @@ def test_a_handle_the_prefill_read_nothing_from_counts_as_a_recompute(loop: Loop
         assert wait_until(lambda: d.decodes[0].stats.released == [first["kvshuttle_handle_id"]])
     finally:
         d.close()
+
+
+def test_without_reverse_reads_prefills_get_no_handle_and_decodes_keep_nothing(loop: LoopThread) -> None:
+    d = deploy(loop, reverse_reads=False)
+    try:
+        _turns(_chat(d, "c"), 3, stream=False)
+        assert prefill_handles(d.prefills[0]) == [FIRST_TURN_PARAMS] * 3
+        assert d.decodes[0].stats.granted == 0 and d.decodes[0].stats.ungranted == 3  # no retention asked
+        assert d.prefills[0].stats.granted == 3  # the prefill still keeps each prompt for its decode's read
+        assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 3
+    finally:
+        d.close()

