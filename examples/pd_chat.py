@@ -60,10 +60,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = args.model
     if not model:
-        from kvshuttle.bench.e2e.tiny_model import build_tiny_llama
+        from kvshuttle.bench.e2e.tiny_model import assets_root, build_tiny_llama
 
-        root = Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
-        model = str(build_tiny_llama(root / "tiny-llama"))
+        model = str(build_tiny_llama(assets_root() / "tiny-llama"))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-pd-chat-"))
     logs.mkdir(parents=True, exist_ok=True)
     short = {int(t) for t in args.short_turns.split(",") if t.strip()}

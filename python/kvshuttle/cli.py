@@ -16,6 +16,7 @@ BENCHES = {
     "retention": "kvshuttle.bench.retention",
     "e2e": "kvshuttle.bench.e2e.bench",
     "router": "kvshuttle.bench.router",
+    "placement": "kvshuttle.bench.e2e.placement",
 }
 
 

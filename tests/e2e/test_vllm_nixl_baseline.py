@@ -48,10 +48,9 @@ def model_dir() -> str:
     reason = _vllm_skip_reason()
     if reason:
         pytest.skip(reason)
-    from kvshuttle.bench.e2e.tiny_model import build_tiny_llama
+    from kvshuttle.bench.e2e.tiny_model import assets_root, build_tiny_llama
 
-    root = Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
-    return str(build_tiny_llama(root / "tiny-llama"))
+    return str(build_tiny_llama(assets_root() / "tiny-llama"))
 
 
 @contextlib.contextmanager

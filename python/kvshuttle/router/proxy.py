@@ -33,7 +33,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -42,21 +42,22 @@ from aiohttp import web
 
 from ..trust import GRANT_FIELD, DeploymentSecret, TrustError, is_loopback, issue_grant
 from . import relay
+from .answers import Answers
 from .auth import ApiKeys, header_tenant
 from .backends import BACKEND_FAILURES, Backend, BackendPool
-from .bodies import CHAT, COMPLETIONS, PRIVATE_MARKERS, BadRequest, client_error_body, parse_body, read_body
+from .bodies import CHAT, COMPLETIONS, BadRequest, client_error_body, parse_body, read_body
 from .config import DEFAULT_TENANT, RouterConfig
 from .endpoints import Endpoints
 from .errors import RouterConfigError, StoreError
-from .handles import InvalidHandle, checked_handle, prefill_params, store_key, valid_id
+from .handles import prefill_params, valid_id
 from .kv import Releaser, SideChannelCalls, Taker
 from .metrics import RouterMetrics
-from .placement import Placement, decode_local
-from .prewarm import MAX_ANSWER_BYTES, Prewarmer, answer_from_events, answer_from_json
+from .placement import decode_local
+from .prewarm import Prewarmer, answer_from_events
 from .redact import install_filter, redact_url, register, scrub, url_secrets
 from .relay import error_response as _error
-from .sse import EventFilter, StreamFormatError
 from .store import HandleStore, MemoryStore, RedisStore, StoredHandle
+from .turn import Turn
 
 log = logging.getLogger("kvshuttle.router")
 
@@ -66,35 +67,7 @@ PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-@dataclass
-class Turn:
-    """One client request on its way through the router (for the metrics and the turn's log line)."""
-
-    endpoint: str
-    request_id: str
-    stream: bool
-    tenant: str | None
-    conversation: str | None
-    started: float = field(default_factory=time.perf_counter)
-    waited: float = 0.0  # seconds spent waiting on backends and publications (not the router's own time)
-    lookup: str = "no_conversation"
-    prefill: str | None = None
-    decode: str | None = None
-    learned: str = "no"
-    first_byte: bool = False
-    placement: Placement = "recompute"
-    home: str | None = None  # the prefill whose cache holds the conversation (kept across decode-local turns)
-    answer: str | None = None  # the answer's text, kept for a pre-warm
-    capture: list[bytes] | None = None  # a streamed answer's bytes, kept for a pre-warm
-
-    @property
-    def key(self) -> str | None:
-        if self.tenant is None or self.conversation is None:
-            return None
-        return store_key(self.tenant, self.conversation)
-
-
-class Router(Endpoints):
+class Router(Answers, Endpoints):
     """The router's state and its aiohttp application (:meth:`app`; :meth:`runner` serves it)."""
 
     def __init__(self, config: RouterConfig, *, store: HandleStore | None = None, taker: Taker | None = None,
@@ -475,152 +448,3 @@ class Router(Endpoints):
         if not turn.stream or turn.key is None or self.config.connector != "kvshuttle" or not backend.spec.kv_address:
             return None
         return secrets.token_urlsafe(18)
-
-    async def _answer(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse,
-                      backend: Backend) -> web.StreamResponse:
-        """A non-streamed answer (or any error): the body passes through, without the decode's handle. A large
-        one is written here, bounded in time like a stream (a client not reading it is cut)."""
-        started = time.perf_counter()
-        data = await resp.read()
-        turn.waited += time.perf_counter() - started
-        if resp.status != 200:
-            data = client_error_body(data, resp.status)
-        else:
-            try:
-                answer = json.loads(data)
-                params = answer.pop("kv_transfer_params", None) if isinstance(answer, dict) else None
-                clean = _dumps(answer).encode()
-            except (ValueError, RecursionError):
-                answer = None
-            if isinstance(answer, dict):
-                if self._prewarm is not None:
-                    turn.answer = answer_from_json(answer)
-                # The handle is a capability on the decode's blocks: it stays between the router and backends.
-                await self._learn(turn, params, backend)
-                data = clean
-            elif any(marker in data for marker in PRIVATE_MARKERS):
-                return _error(502, f"decode backend {backend.name} answered an unreadable body", "backend_error")
-        self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
-        content_type = resp.content_type or "application/json"
-        if len(data) <= relay.SMALL:  # fits the socket's buffers: aiohttp's own write cannot wait on the client
-            return web.Response(body=data, status=resp.status, content_type=content_type)
-        out, stopped = await relay.send(client, resp.status, data, content_type, self.config.client_write_timeout_s)
-        if stopped is relay.ClientSlow:
-            self.metrics.client_timeouts.labels("write").inc()
-        return out
-
-    async def _relay(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
-                     publish: str | None) -> web.StreamResponse:
-        """Stream the decode's answer event by event, without kv_transfer_params; store its handle before the end.
-
-        The handle comes from the stream's last chunk (vLLM 0.33) or else the decode's board. The end marker
-        (``data: [DONE]``) is held back until the handle is stored: a client that sends its next turn once it
-        sees the end, to this replica or another, finds the handle. Every write to the client is bounded in
-        time (``client_write_timeout_s``): a client that stops reading is cut and the decode's stream closed.
-        """
-        out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
-                                                                                      "text/event-stream"),
-                                                      "Cache-Control": "no-cache"})
-        events = EventFilter(hold_done=turn.key is not None)
-        wait = self.config.client_write_timeout_s
-        try:
-            started = time.perf_counter()
-            chunks = resp.content.iter_any()
-            first = await anext(chunks, b"")
-            turn.waited += time.perf_counter() - started
-            await relay.bounded(out.prepare(client), wait)
-            await relay.write(client, out, events.feed(first), wait)
-            self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
-            keep = turn.capture
-            if keep is not None:
-                keep.append(first)
-            async for chunk in chunks:
-                await relay.write(client, out, events.feed(chunk), wait)
-                if keep is not None:
-                    keep.append(chunk)
-                    if len(keep) % 64 == 0 and sum(map(len, keep)) > MAX_ANSWER_BYTES:  # too long to pre-warm
-                        keep = turn.capture = None
-            await relay.write(client, out, events.finish(), wait)
-        except (relay.ClientGone, relay.ClientSlow) as exc:
-            slow = isinstance(exc, relay.ClientSlow)
-            turn.learned = "client_slow" if slow else "client_gone"
-            if slow:
-                self.metrics.client_timeouts.labels("write").inc()
-                log.info("router: client of request %s stopped reading for %g s; cut, decode stream closed",
-                         turn.request_id, wait)
-            resp.close()  # the decode stops generating for nobody
-            relay.cut(client)
-            return out
-        except (*BACKEND_FAILURES, StreamFormatError) as exc:
-            turn.learned = "stream_failed"
-            self._backend_failed(self.decode, backend, exc)
-            self.metrics.unlearned.labels("stream_failed").inc()
-            resp.close()
-            if not out.prepared:
-                return _error(502, f"decode backend {backend.name} failed: {type(exc).__name__}", "backend_error")
-            await self._stream_error(client, out, f"decode backend {backend.name} failed mid-stream: "
-                                                  f"{type(exc).__name__}")
-            return out
-        if events.dropped:
-            self.metrics.events_dropped.inc(events.dropped)
-        if events.found:
-            await self._learn(turn, events.params, backend)
-        elif publish is None:
-            self.metrics.unlearned.labels("stream_without_board").inc()
-        else:
-            await self._take_handle(turn, backend, publish)
-        try:
-            await relay.write(client, out, events.held, wait)
-            await relay.bounded(out.write_eof(), wait)
-        except (relay.ClientGone, relay.ClientSlow):
-            relay.cut(client)
-        return out
-
-    async def _take_handle(self, turn: Turn, backend: Backend, publish: str) -> None:
-        address = backend.spec.kv_address
-        assert address is not None
-        try:
-            params = await self._take(address, publish, self.config.publish_timeout_s)
-        except Exception as exc:  # a dead decode: the next turn recomputes
-            log.info("router: taking the handle from %s failed: %s: %s", backend.name, type(exc).__name__, exc)
-            self.metrics.unlearned.labels("board_failed").inc()
-            turn.learned = "board_failed"
-            return
-        await self._learn(turn, params, backend)
-
-    async def _stream_error(self, client: web.Request, out: web.StreamResponse, message: str) -> None:
-        wait = self.config.client_write_timeout_s
-        try:  # the OpenAI clients raise on an error event: the client never takes a cut answer for a whole one
-            await relay.write(client, out, relay.error_event(message), wait)
-            await relay.bounded(out.write_eof(), wait)
-        except (relay.ClientGone, relay.ClientSlow):
-            relay.cut(client)
-
-    async def _learn(self, turn: Turn, params: Any, backend: Backend) -> None:
-        """Validate, authenticate and store the decode's returned params for the conversation's next turn."""
-        key = turn.key
-        if key is None or turn.tenant is None or turn.conversation is None:
-            return
-        if params is None:
-            turn.learned = "none"
-            self.metrics.unlearned.labels("none_returned").inc()
-            return
-        try:
-            stored, life = checked_handle(params, self.config.connector, self.secret)
-        except InvalidHandle as exc:
-            turn.learned = "invalid"
-            self.metrics.invalid.labels(exc.reason).inc()
-            log.warning("router: dropping %s's params for request %s (%s): %s", backend.name, turn.request_id,
-                        exc.reason, exc)
-            return
-        entry = StoredHandle(turn.tenant, turn.conversation, stored, backend.name, backend.spec.kv_address,
-                             self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home)
-        try:
-            await self.store.put(key, entry)
-        except StoreError as exc:
-            self.metrics.store_errors.labels("put").inc()
-            turn.learned = "store_error"
-            log.info("router: storing the handle failed, the next turn recomputes: %s", exc)
-            return
-        turn.learned = "stored"
-        self.metrics.stored.inc()

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import os
 import re
 import statistics
 import sys
@@ -316,9 +315,9 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
 def _model(args: argparse.Namespace) -> str:
     if args.model:
         return str(args.model)
-    from .tiny_model import build_tiny_llama
+    from .tiny_model import assets_root, build_tiny_llama
 
-    root = Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
+    root = assets_root()
     if args.kv_heavy:
         return str(build_tiny_llama(root / "tiny-llama-kv-heavy", head_dim=256))
     return str(build_tiny_llama(root / "tiny-llama"))

@@ -14,6 +14,7 @@ module needs none of them.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from dataclasses import asdict, dataclass
@@ -50,6 +51,11 @@ class TinyLlamaSpec:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers in float32."""
         return 2 * self.layers * self.kv_heads * self.head_dim * 4
+
+
+def assets_root() -> Path:
+    """Where the e2e tiny models are built and kept (``KVSHUTTLE_E2E_ASSETS``, else the user's cache)."""
+    return Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
 
 
 def build_tiny_llama(path: str | Path, *, hidden: int = 512, layers: int = 8, kv_heads: int = 8, heads: int = 8,
