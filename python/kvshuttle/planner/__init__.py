@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .errors import PlannerError, ProfileError, TraceError
 from .profile import PROFILE_NAMES, QWEN3_32B, CostProfile, ModelShape, fit_prefill, load_profile
-from .simulate import MODES, PreparedTrace, policy_config, retained_stats, simulate, summarize
+from .simulate import MODES, Placement, PreparedTrace, policy_config, retained_stats, simulate, summarize
 from .trace import (
     Conversation,
     SyntheticSpec,
@@ -33,6 +33,7 @@ __all__ = [
     "Conversation",
     "CostProfile",
     "ModelShape",
+    "Placement",
     "PlannerError",
     "PreparedTrace",
     "ProfileError",

@@ -37,7 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", default="64,256,1024",
                         help="kv_recompute_threshold values (tokens; 'cost': the policy's cost model)")
     parser.add_argument("--prefill-workers", type=int, default=1,
-                        help="prefill workers turns are routed to at random (local-prefix-cache baseline)")
+                        help="prefill workers turns are routed to (at random, or by --affinity)")
+    parser.add_argument("--affinity", action="store_true",
+                        help="the router keeps each conversation on one prefill worker (kvshuttle router's default)")
+    parser.add_argument("--prewarm", action="store_true",
+                        help="with --affinity: the router pre-warms the next turn's worker with prompt and answer")
+    parser.add_argument("--decode-local", type=int, default=0, metavar="N",
+                        help="turns computing at most N tokens run on the decode that holds the conversation")
     parser.add_argument("--prefill-cache-gib", type=float, default=None, help="override the profile's prefix cache")
     parser.add_argument("--tp-size", type=int, default=None, metavar="N",
                         help="override the profile's TP size: the KV splits over N ranks by KV heads, each reading "
@@ -129,11 +135,16 @@ def _main(args: argparse.Namespace) -> int:
     if args.write_trace:
         Path(args.write_trace).write_text(write_trace(trace), encoding="utf-8")
     from .report import format_plan, run_plan, write_plots
+    from .simulate import Placement
+
+    if args.prewarm and not args.affinity:
+        raise PlannerError("--prewarm needs --affinity (the router warms the worker the next turn goes to)")
 
     command = "kvshuttle plan " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     doc, runs = run_plan(trace, profile, ttls, thresholds, prefill_workers=args.prefill_workers, queue=args.queue,
                          expiry_margin_s=args.expiry_margin, progress=not args.no_progress and not args.json,
-                         command=command.strip() or "kvshuttle plan")
+                         command=command.strip() or "kvshuttle plan",
+                         placement=Placement(args.affinity, args.prewarm, args.decode_local))
     if args.plots:
         doc["plots"] = [str(p) for p in write_plots(doc, runs, args.plots)]
     text = format_plan(doc)

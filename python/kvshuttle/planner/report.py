@@ -15,13 +15,14 @@ retained memory are over all the profile's TP ranks (every replica counted: deco
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .profile import CostProfile
-from .simulate import BASELINES, Mode, ModeRun, PreparedTrace, Threshold, simulate, summarize
+from .simulate import BASELINES, NO_PLACEMENT, Mode, ModeRun, Placement, PreparedTrace, Threshold, simulate, summarize
 from .trace import Trace, uniform_trace
 
 SCHEMA = 1
@@ -50,19 +51,25 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="run", leave=False)
 
 
+def placement_for(mode: str, placement: Placement) -> Placement:
+    """``placement`` as it applies to ``mode``: pre-warming fills a local cache (none in the other modes)."""
+    return replace(placement, prewarm=placement.prewarm and mode.endswith("local_cache"))
+
+
 def run_plan(trace: Trace, profile: CostProfile, ttls: Sequence[float], thresholds: Sequence[Threshold], *,
              prefill_workers: int = 1, queue: bool = False, expiry_margin_s: float = 5.0, progress: bool = False,
-             command: str = "") -> tuple[dict[str, Any], dict[str, ModeRun]]:
+             command: str = "", placement: Placement = NO_PLACEMENT) -> tuple[dict[str, Any], dict[str, ModeRun]]:
     """Simulate the baselines once and both reverse-read modes per TTL x threshold; the JSON document and the
     runs (keyed ``mode``, or ``mode@ttl@threshold``) for plotting."""
     prepared = PreparedTrace(trace, profile.block_size, progress=progress)
-    options: dict[str, Any] = {"prefill_workers": prefill_workers, "queue": queue, "expiry_margin_s": expiry_margin_s}
+    options: dict[str, Any] = {"prefill_workers": prefill_workers, "queue": queue, "expiry_margin_s": expiry_margin_s,
+                               "placement": asdict(placement)}
     bar = _progress(len(BASELINES) + 2 * len(ttls) * len(thresholds), progress, "simulating")
     runs: dict[str, ModeRun] = {}
     baselines = {}
     for mode in BASELINES:
         runs[mode] = simulate(prepared, profile, mode=mode, prefill_workers=prefill_workers, queue=queue,
-                              expiry_margin_s=expiry_margin_s)
+                              expiry_margin_s=expiry_margin_s, placement=placement_for(mode, placement))
         baselines[mode] = summarize(runs[mode])
         if bar is not None:
             bar.update()
@@ -72,7 +79,8 @@ def run_plan(trace: Trace, profile: CostProfile, ttls: Sequence[float], threshol
             entry: dict[str, Any] = {"ttl_s": ttl, "threshold": threshold}
             for mode in REVERSE:
                 run = simulate(prepared, profile, mode=mode, ttl_s=ttl, threshold=threshold,
-                               prefill_workers=prefill_workers, queue=queue, expiry_margin_s=expiry_margin_s)
+                               prefill_workers=prefill_workers, queue=queue, expiry_margin_s=expiry_margin_s,
+                               placement=placement_for(mode, placement))
                 runs[f"{mode}@{ttl}@{threshold}"] = run
                 entry[mode] = summarize(run)
                 if bar is not None:

@@ -28,8 +28,16 @@ previous turn's answer ended, so faster turns bring the next ones forward. Per t
    (:meth:`.CostProfile.block_bytes`): what the reads move in total and what decode holds across its ranks. A
    read's time is one rank's share (:meth:`.CostProfile.transfer_s`: the ranks read at once).
 
-Not modelled: batching several requests into one prefill step, decode contention, read failures (a failed read
-recomputes: that would cost a read *and* a recompute).
+6. **Placement** (:class:`Placement`, the router's settings): ``affinity`` keeps each conversation on one prefill
+   worker (its home) instead of a random one; ``prewarm`` (with affinity and a local cache) puts the history,
+   prompt *and* answer, into the home worker's cache when the gap before the next turn is long enough to compute
+   the answer's tokens there (off the TTFT path); ``decode_local_tokens`` (reverse-read modes: the router finds
+   the decode through the handle) sends a turn that would compute at most that many tokens on the decode, which
+   reuses what it retained (the shared prefix, in whole blocks) and computes the rest: no prefill, no read.
+
+Not modelled: batching several requests into one prefill step, decode contention (a decode-local turn's compute
+delays the decode's other requests), read failures (a failed read recomputes: that would cost a read *and* a
+recompute).
 """
 
 from __future__ import annotations
@@ -102,10 +110,11 @@ class PreparedTrace:
                 prev = seq
             self.turns.append(prepared)
 
-    def common_prefix(self, conv: int, older: int, newer: int) -> int:
-        """Tokens prompt ``newer`` shares with prompt ``older`` of one conversation (ids are never reused)."""
+    def common_prefix(self, conv: int, older: int, newer: int, with_answer: bool = False) -> int:
+        """Tokens prompt ``newer`` shares with prompt ``older`` of one conversation (ids are never reused), or
+        with prompt ``older`` and its answer (``with_answer``)."""
         turns = self.turns[conv]
-        common = turns[older].prompt_tokens
+        common = turns[older].handle_tokens + 1 if with_answer else turns[older].prompt_tokens
         for k in range(older + 1, newer + 1):
             common = min(common, turns[k].shared)
         return common
@@ -115,14 +124,28 @@ def _fresh(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint32]:
     return rng.integers(0, _TOKEN_HIGH, size=max(n, 0), dtype=np.uint32)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """The router's placement settings (module docstring, item 6)."""
+
+    affinity: bool = False
+    prewarm: bool = False
+    decode_local_tokens: int = 0
+
+
+NO_PLACEMENT = Placement()  # random routing, no pre-warming, no decode-local turns
+
+
 class _PrefixCache:
-    """One prefill worker's prefix cache: per conversation the whole blocks of its latest prompt, LRU."""
+    """One prefill worker's prefix cache: per conversation the whole blocks of its latest prompt (or, pre-warmed,
+    of its latest prompt and answer), LRU."""
 
     def __init__(self, capacity_tokens: int, block_size: int) -> None:
         self.capacity = capacity_tokens
         self.block_size = block_size
         self.entries: OrderedDict[int, tuple[int, int]] = OrderedDict()  # conv -> (tokens, turn)
         self.total = 0
+        self.answered: set[int] = set()  # conversations whose entry holds the answer too (pre-warmed)
 
     def hit(self, prepared: PreparedTrace, conv: int, turn: int) -> int:
         entry = self.entries.get(conv)
@@ -131,14 +154,16 @@ class _PrefixCache:
         self.entries.move_to_end(conv)
         tokens, older = entry
         prompt = prepared.turns[conv][turn].prompt_tokens
-        common = min(tokens, prepared.common_prefix(conv, older, turn), prompt - 1)
+        shared = prepared.common_prefix(conv, older, turn, with_answer=conv in self.answered)
+        common = min(tokens, shared, prompt - 1)
         return max(common, 0) // self.block_size * self.block_size
 
-    def store(self, conv: int, turn: int, prompt_tokens: int) -> None:
+    def store(self, conv: int, turn: int, prompt_tokens: int, with_answer: bool = False) -> None:
         tokens = min(prompt_tokens // self.block_size * self.block_size, self.capacity)
         old = self.entries.pop(conv, (0, 0))[0]
         self.total += tokens - old
         self.entries[conv] = (tokens, turn)
+        (self.answered.add if with_answer else self.answered.discard)(conv)
         while self.total > self.capacity:
             victim, (held, k) = next(iter(self.entries.items()))
             cut = min(held, self.total - self.capacity)
@@ -193,10 +218,13 @@ def _handle(turn: _Prepared, block_size: int, end: float, ttl_s: float, conv: in
 
 def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = 480.0,
              threshold: Threshold = 64, expiry_margin_s: float = 5.0, prefill_workers: int = 1,
-             queue: bool = False, seed: int = 0, layered: bool = False) -> ModeRun:
+             queue: bool = False, seed: int = 0, layered: bool = False,
+             placement: Placement = NO_PLACEMENT) -> ModeRun:
     """Replay ``prepared`` in one mode and setting (see the module docstring)."""
     if mode not in MODES:
         raise PlannerError(f"mode must be one of {MODES}, got {mode!r}")
+    if placement.prewarm and not (placement.affinity and mode.endswith("local_cache")):
+        raise PlannerError("pre-warming needs affinity (the next turn's worker is known) and a local cache mode")
     if not (math.isfinite(ttl_s) and ttl_s >= 0) or prefill_workers < 1:
         raise PlannerError(f"need a finite TTL >= 0 and prefill_workers >= 1, got {ttl_s!r}, {prefill_workers!r}")
     if prepared.block_size != profile.block_size:
@@ -215,11 +243,17 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         arrival, conv, k = heapq.heappop(events)
         turns = prepared.turns[conv]
         turn = turns[k]
-        worker = int(route.integers(prefill_workers)) if prefill_workers > 1 else 0
-        local_tokens = caches[worker].hit(prepared, conv, k) if local and k else 0
+        if prefill_workers == 1:
+            worker = 0
+        else:
+            worker = conv % prefill_workers if placement.affinity else int(route.integers(prefill_workers))
+        on_decode = reverse and k > 0 and _decode_local(turns, k, placement, ends[conv] + ttl_s > arrival, bs)
+        local_tokens = caches[worker].hit(prepared, conv, k) if local and k and not on_decode else 0
         fetched, blocks, reason = 0, 0, "first_turn" if k == 0 else "off"
         pipelined = False
-        if reverse and k:
+        if on_decode:  # the decode reuses what it retained and computes the rest: no prefill, no read
+            local_tokens, reason = _decode_reuse(turns, k, bs), "decode_local"
+        elif reverse and k:
             handle = _handle(turns[k - 1], bs, ends[conv], ttl_s, conv, k - 1)
             if handle is None:
                 reason = "no_handle"
@@ -238,14 +272,19 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         else:
             service = (profile.prefill_fixed_s + profile.transfer_s(blocks)
                        + profile.compute_s(compute, local_tokens + fetched))
-        start = max(arrival, free_at[worker]) if queue else arrival
-        free_at[worker] = start + service
+        start = max(arrival, free_at[worker]) if queue and not on_decode else arrival
+        if not on_decode:
+            free_at[worker] = start + service
         ttft = start - arrival + service
         dec = profile.decode_s(turn.output_tokens)
         end = arrival + ttft + dec
         ends[conv] = end
-        if local:
+        if local and not on_decode:
             caches[worker].store(conv, k, turn.prompt_tokens)
+        if local and placement.prewarm and k + 1 < len(turns) and \
+                turns[k + 1].gap_s >= profile.prefill_fixed_s + profile.compute_s(turn.output_tokens,
+                                                                                   turn.prompt_tokens):
+            caches[worker].store(conv, k, turn.handle_tokens + 1, with_answer=True)  # warmed in the gap
         if reverse and turn.handle_tokens > 0:
             hold = min(ttl_s, turns[k + 1].gap_s) if k + 1 < len(turns) else ttl_s
             run.retained.append((end, end + hold, profile.block_bytes(-(-turn.handle_tokens // bs))))
@@ -262,6 +301,19 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         run.reasons[reason] += 1
         run.turn_keys.append((conv, k))
     return run
+
+
+def _decode_reuse(turns: list[_Prepared], k: int, block_size: int) -> int:
+    """Tokens of turn ``k``'s prompt the decode reuses from what it retained after turn ``k - 1``."""
+    reuse = min(turns[k].shared, turns[k - 1].handle_tokens, turns[k].prompt_tokens - 1)
+    return max(reuse, 0) // block_size * block_size
+
+
+def _decode_local(turns: list[_Prepared], k: int, placement: Placement, live: bool, block_size: int) -> bool:
+    """Whether the router sends turn ``k`` to its decode (its handle still live and little left to compute)."""
+    if not placement.decode_local_tokens or not live or turns[k - 1].handle_tokens <= 0:
+        return False
+    return turns[k].prompt_tokens - _decode_reuse(turns, k, block_size) <= placement.decode_local_tokens
 
 
 def retained_stats(intervals: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
