@@ -246,3 +246,30 @@ def test_without_reverse_reads_prefills_get_no_handle_and_decodes_keep_nothing(l
         assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 3
     finally:
         d.close()
+
+
+def test_replicas_on_redis_keep_a_failed_over_conversation_where_it_went(loop: LoopThread,
+                                                                         redis_server: Any) -> None:
+    """The prefill that served a conversation is stored with its handle: another router replica sends the next
+    turn there too, even when that is not the conversation's hash home (it failed over while the home was down)."""
+    from router_helpers import Deployment
+
+    d = deploy(loop, prefills=2, store=redis_server.url)
+    other = Deployment(loop, d.prefills, d.decodes, d.config)
+    other.start_router()
+    try:
+        chat = _chat(d, "c")
+        _turns(chat, 1, stream=False)
+        home = _served(d.prefills, "c")[0]
+        assert d.router is not None
+        d.router.prefill.mark(d.router.prefill.backends[home], False)  # down, as replica 1 sees it
+        _turns(chat, 1, stream=False)
+        d.router.prefill.mark(d.router.prefill.backends[home], True)
+        replica = _chat(other, "c")
+        replica.messages = chat.messages
+        _turns(replica, 1, stream=False)  # replica 2: never saw the failover, reads it from Redis
+        assert _served(d.prefills, "c") == [home, 1 - home, 1 - home]
+        assert other.metric("kvshuttle_router_affinity_total", role="prefill", how="sticky") == 1
+    finally:
+        other.stop_router()
+        d.close()
