@@ -13,7 +13,7 @@ from kvshuttle.router.backends import BackendPool, home_score
 from kvshuttle.router.bodies import CHAT, COMPLETIONS
 from kvshuttle.router.errors import RouterConfigError
 from kvshuttle.router.placement import new_tokens_estimate
-from kvshuttle.router.proxy import NO_PREFILL_PARAMS
+from kvshuttle.router.proxy import NO_PREFILL_PARAMS, PUBLISH_KEY
 from router_helpers import Conversation, LoopThread, deploy, prefill_handles, routing, wait_until
 
 pytest_plugins = ["router_fixtures"]  # loop
@@ -239,9 +239,13 @@ def test_a_handle_the_prefill_read_nothing_from_counts_as_a_recompute(loop: Loop
 def test_without_reverse_reads_prefills_get_no_handle_and_decodes_keep_nothing(loop: LoopThread) -> None:
     d = deploy(loop, reverse_reads=False)
     try:
-        _turns(_chat(d, "c"), 3, stream=False)
+        chat = _chat(d, "c")
+        _turns(chat, 2, stream=False)
+        _turns(chat, 1, stream=True)
         assert prefill_handles(d.prefills[0]) == [FIRST_TURN_PARAMS] * 3
         assert d.decodes[0].stats.granted == 0 and d.decodes[0].stats.ungranted == 3  # no retention asked
+        # nothing to publish: the streamed turn carried no publish key (the router would wait for nothing)
+        assert PUBLISH_KEY not in d.decodes[0].requests[2]["body"]["kv_transfer_params"]
         assert d.prefills[0].stats.granted == 3  # the prefill still keeps each prompt for its decode's read
         assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 3
     finally:

@@ -104,6 +104,8 @@ class Router(Answers, Endpoints):
         self._id_prefix = uuid.uuid4().hex[:12]  # request ids: unique per router process, not secret
         self._tasks: list[asyncio.Task[None]] = []
         self._later: set[asyncio.Task[Any]] = set()  # work after a turn, off its path (_background)
+        # the decode keeps a conversation only where a later turn can use it (a reverse read, a decode-local turn)
+        self._decode_retains = config.reverse_reads or config.decode_local_max_tokens > 0
         self._prewarm = Prewarmer(lambda: self._session, self.metrics, config.prewarm_max_in_flight,
                                   config.prefill_timeout_s, config.max_conversations) if config.prewarm else None
         if config.connector == "kvshuttle" and not all(d.kv_address for d in config.decode):
@@ -417,7 +419,7 @@ class Router(Answers, Endpoints):
                 params[PUBLISH_KEY] = publish
             # the decode keeps the conversation only where a later turn can use it: a reverse read or a
             # decode-local turn (with neither, retention would hold memory for nobody)
-            if self.config.reverse_reads or self.config.decode_local_max_tokens:
+            if self._decode_retains:
                 params = self._granted(params)
             request = {**body, "kv_transfer_params": params}
             started = time.perf_counter()
@@ -446,5 +448,7 @@ class Router(Answers, Endpoints):
 
     def _publish_key(self, turn: Turn, backend: Backend) -> str | None:
         if not turn.stream or turn.key is None or self.config.connector != "kvshuttle" or not backend.spec.kv_address:
+            return None
+        if not self._decode_retains:  # an ungranted decode publishes nothing: waiting for it would hold [DONE]
             return None
         return secrets.token_urlsafe(18)

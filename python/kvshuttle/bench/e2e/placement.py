@@ -55,7 +55,8 @@ BLOCK = 32
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    parser.add_argument("--conversations", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=3,
+                        help="interleaved turn by turn (odd: round robin then alternates each one's prefills)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--context-words", type=int, default=300, help="the first message's document")
     parser.add_argument("--followup-words", type=int, default=60, help="new material with each later question")
