@@ -67,9 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default="")
 
 
-def _message(conversation: int, k: int, args: argparse.Namespace) -> str:
+def _message(config: int, conversation: int, k: int, args: argparse.Namespace) -> str:
+    """Turn ``k``'s message: the same number of words in every configuration, other words in each (no
+    configuration hits blocks another left in a cache that would not reset)."""
     words = args.context_words if k == 0 else args.followup_words
-    text = context_document(words, seed=1000 * conversation + k) if words else ""
+    text = context_document(words, seed=100_000 * config + 1000 * conversation + k) if words else ""
     question = QUESTIONS[k % len(QUESTIONS)]
     return f"{text}\n\n{question}" if text else question
 
@@ -81,15 +83,20 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout: float = 300.0) 
         return json.loads(reply.read() or b"null")
 
 
-def _reset(engines: list[ServedEngine]) -> None:
-    """Empty every engine's prefix cache (vLLM's dev endpoint); retried while freed blocks settle."""
+def _reset(engines: list[ServedEngine]) -> list[str]:
+    """Empty every engine's prefix cache (vLLM's dev endpoint; released retention is freed when the engine
+    next steps, so a failed reset is retried after a 1-token request); the names of those that would not (a
+    handle whose take failed stays retained to its TTL). Each configuration's words differ anyway."""
+    stuck = []
     for engine in engines:
-        for _ in range(60):
+        for _ in range(6):
             if (_post(engine.url + "/reset_prefix_cache") or {}).get("success"):
                 break
+            _post(engine.url + "/v1/completions", {"model": "tiny", "prompt": "step", "max_tokens": 1})
             time.sleep(0.5)
         else:
-            raise RuntimeError(f"{engine.spec.name}: its prefix cache would not reset (blocks still held)")
+            stuck.append(engine.spec.name)
+    return stuck
 
 
 def _warm(engine: ServedEngine, messages: list[dict[str, str]]) -> None:
@@ -120,7 +127,7 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
     served: list[int | None] = [None] * args.conversations
     answered = [0.0] * args.conversations
     turns: list[dict[str, Any]] = []
-    block_seconds, sampled = 0.0, time.monotonic()
+    block_seconds, sampled, leftover = 0.0, time.monotonic(), _retained(decode)  # not this configuration's
     try:
         for k in range(args.turns):
             for c in range(args.conversations):
@@ -129,13 +136,13 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
                     time.sleep(wait)
                 if name == "floor" and k and served[c] is not None:
                     _warm(prefills[served[c]], histories[c])  # type: ignore[index]
-                histories[c].append({"role": "user", "content": _message(c, k, args)})
+                histories[c].append({"role": "user", "content": _message(list(CONFIGS).index(name), c, k, args)})
                 before = [counters(p) for p in prefills], counters(decode), router_counts(url)
                 answer, ttft, took = ask(client, histories[c], True, args.answer_tokens, f"{name}-{c}")
                 answered[c] = time.monotonic()
                 after = [counters(p) for p in prefills], counters(decode), router_counts(url)
                 now, held = time.monotonic(), _retained(decode)
-                block_seconds += held * (now - sampled)
+                block_seconds += max(0.0, held - leftover) * (now - sampled)
                 sampled = now
                 moved = [delta(a, b) for a, b in zip(after[0], before[0], strict=True)]
                 busiest = max(range(len(prefills)), key=lambda i: moved[i]["prompt"])
@@ -207,8 +214,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine.wait_ready()
         block_bytes = _kv_bytes_per_block(model)
         for name in names:
-            _reset([*prefills, decode])
-            results.append(_run_config(name, args, prefills, decode, kv_port, logs, block_bytes))
+            stuck = _reset([*prefills, decode])
+            results.append({**_run_config(name, args, prefills, decode, kv_port, logs, block_bytes),
+                            "caches_not_reset": stuck})
     finally:
         for engine in (*prefills, decode):
             engine.close()
