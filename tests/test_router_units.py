@@ -306,9 +306,17 @@ def test_takes_reuse_one_connection_per_decode_and_take_once() -> None:
     try:
         decode.board.put("k1", {"a": 1})
         decode.board.put("k2", {"b": 2})
-        got = [asyncio.run(calls.take(address, k, 2.0)) for k in ("k1", "k2", "k1")]
-        assert got == [{"a": 1}, {"b": 2}, None]
-        assert len(calls._idle[address]) == 1
+
+        async def three() -> list[Any]:
+            got = []
+            for k in ("k1", "k2", "k1"):
+                got.append(await calls.take(address, k, 2.0))
+                got.append(id(calls._channels[address]))
+            return got
+
+        got = asyncio.run(three())
+        assert got[0::2] == [{"a": 1}, {"b": 2}, None]
+        assert len(set(got[1::2])) == 1 and list(calls._channels) == [address]  # one channel, kept
     finally:
         calls.close()
         asyncio.run(decode.stop())
@@ -324,3 +332,57 @@ def test_a_take_from_a_dead_decode_is_a_named_error() -> None:
             asyncio.run(calls.take(f"tcp://127.0.0.1:{free_port()}", "k", 1.0))
     finally:
         calls.close()
+
+
+def test_concurrent_takes_share_one_channel_and_each_gets_its_own_params() -> None:
+    from kvshuttle.router.kv import SideChannelCalls
+
+    decode = FakeVllm("decode", secret=SECRET)
+    calls = SideChannelCalls(SECRET)
+    address = f"tcp://{decode.kv_address}"
+    keys = [f"k{i}" for i in range(50)]
+    for i, key in enumerate(keys):
+        decode.board.put(key, {"i": i})
+
+    async def all_at_once() -> list[Any]:
+        return list(await asyncio.gather(*(calls.take(address, key, 5.0) for key in reversed(keys))))
+
+    try:
+        assert asyncio.run(all_at_once()) == [{"i": i} for i in reversed(range(50))]
+        assert asyncio.run(calls.take(address, "k0", 0.1)) is None  # taken once; a new loop, a new channel
+        decode.board.put("again", {"a": 1})
+        assert asyncio.run(calls.take(address, "again", 2.0)) == {"a": 1}
+    finally:
+        calls.close()
+        asyncio.run(decode.stop())
+
+
+def test_a_take_in_flight_fails_as_soon_as_its_decode_goes_away() -> None:
+    from kvshuttle.router.kv import SideChannelCalls
+    from kvshuttle.transfer.errors import PeerLostError, PeerUnreachableError
+
+    decode = FakeVllm("decode", secret=SECRET)
+    calls = SideChannelCalls(SECRET)
+    address = f"tcp://{decode.kv_address}"
+
+    async def take_while_the_decode_dies() -> None:
+        waiting = asyncio.ensure_future(calls.take(address, "never-published", 60.0))
+        await asyncio.sleep(0.3)  # the take is polling the board by now
+        await decode.stop()  # the side channel's socket closes: the take fails, never waits out its 60 s
+        with pytest.raises((PeerLostError, PeerUnreachableError)):
+            await waiting
+
+    try:
+        asyncio.run(take_while_the_decode_dies())
+    finally:
+        calls.close()
+
+
+def test_a_stored_handle_serializes_as_its_fields() -> None:
+    from dataclasses import asdict
+
+    from kvshuttle.router.store import StoredHandle
+
+    entry = StoredHandle("t", "c", {"a": [1, {"b": "é"}]}, "decode-1", None, 12.5)
+    assert entry.to_json() == json.dumps(asdict(entry), separators=(",", ":"))
+    assert StoredHandle.from_json(entry.to_json()) == entry

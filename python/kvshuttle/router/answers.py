@@ -92,7 +92,7 @@ class Answers:
         sees the end, to this replica or another, finds the handle. Every write to the client is bounded in
         time (``client_write_timeout_s``): a client that stops reading is cut and the decode's stream closed.
         """
-        out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
+        out = relay.StreamAnswer(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
                                                                                       "text/event-stream"),
                                                       "Cache-Control": "no-cache"})
         events = EventFilter(hold_done=turn.key is not None)
@@ -102,7 +102,7 @@ class Answers:
             chunks = resp.content.iter_any()
             first = await anext(chunks, b"")
             turn.waited += time.perf_counter() - started
-            await relay.bounded(out.prepare(client), wait)
+            await relay.prepare(client, out, wait)
             await relay.write(client, out, events.feed(first), wait)
             self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
             keep = turn.capture
@@ -144,8 +144,7 @@ class Answers:
         else:
             await self._take_handle(turn, backend, publish)
         try:
-            await relay.write(client, out, events.held, wait)
-            await relay.bounded(out.write_eof(), wait)
+            await relay.finish(client, out, events.held, wait)
         except (relay.ClientGone, relay.ClientSlow):
             relay.cut(client)
         return out
@@ -165,8 +164,7 @@ class Answers:
     async def _stream_error(self, client: web.Request, out: web.StreamResponse, message: str) -> None:
         wait = self.config.client_write_timeout_s
         try:  # the OpenAI clients raise on an error event: the client never takes a cut answer for a whole one
-            await relay.write(client, out, relay.error_event(message), wait)
-            await relay.bounded(out.write_eof(), wait)
+            await relay.finish(client, out, relay.error_event(message), wait)
         except (relay.ClientGone, relay.ClientSlow):
             relay.cut(client)
 

@@ -2,7 +2,8 @@
 and checked before a turn takes an admission slot.
 
 * :func:`read_body` reads the whole body with a size cap (413) and a deadline for the whole read (408): a
-  client trickling its body costs a connection, never a slot;
+  client trickling its body costs a connection, never a slot (a body already all there is read without a
+  timer);
 * :func:`parse_body` turns it into a JSON object or a :class:`BadRequest` (400) for any malformed shape:
   invalid UTF-8, not JSON, NaN / Infinity or numbers no JSON peer can read back, nesting deeper than
   :data:`MAX_DEPTH`, a top level that is not an object, ``stream`` not a bool, ``messages`` not a list of
@@ -60,6 +61,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             chunks.append(chunk)
 
     try:
+        if request.content.is_eof():  # all of it is here already (the common case): no read can wait
+            return await read()
         return await asyncio.wait_for(read(), timeout_s)
     except BadRequest:
         raise

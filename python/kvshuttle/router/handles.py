@@ -10,6 +10,7 @@ looked at at all. A handle is stored under (tenant, conversation): it never reac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any
@@ -89,6 +90,7 @@ def prefill_params(handle: dict[str, Any] | None) -> dict[str, Any]:
     return {**handle, "do_remote_decode": True, "do_remote_prefill": False}
 
 
+@functools.lru_cache(maxsize=4096)  # a turn needs its key several times (lookup, stream, store)
 def store_key(tenant: str, conversation: str) -> str:
     """A fixed-size key per (tenant, conversation); length-prefixed, so no pair of strings collides by joining."""
     raw = f"{len(tenant)}:{tenant}|{conversation}".encode()

@@ -18,6 +18,7 @@ names one, needs the deployment secret.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -41,6 +42,7 @@ class TrustError(KVShuttleError, ValueError):
     owner); the message says what to configure."""
 
 
+@functools.lru_cache(maxsize=1024)  # asked for every handle the router checks; parsing the address is the cost
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1); names are never resolved here."""
     if host == "localhost":
