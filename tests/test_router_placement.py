@@ -277,3 +277,19 @@ def test_replicas_on_redis_keep_a_failed_over_conversation_where_it_went(loop: L
     finally:
         other.stop_router()
         d.close()
+
+
+def test_a_handle_taken_while_reverse_reads_are_off_is_released(loop: LoopThread) -> None:
+    """Decode-local turns keep handles (the router finds the decode through them); a longer turn without reverse
+    reads takes the handle and sends it nowhere: the decode is told to let go of it."""
+    d = deploy(loop, reverse_reads=False, decode_local_max_tokens=16)
+    try:
+        chat = _chat(d, "c")
+        _turns(chat, 1, stream=False)
+        first = d.decodes[0].issued_params[0]
+        assert first is not None
+        _turns(chat, 1, stream=False, text="x" * 400)  # too long for the decode alone: through the prefill
+        assert prefill_handles(d.prefills[0])[1] == FIRST_TURN_PARAMS
+        assert wait_until(lambda: d.decodes[0].stats.released == [first["kvshuttle_handle_id"]])
+    finally:
+        d.close()

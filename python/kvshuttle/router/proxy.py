@@ -338,6 +338,8 @@ class Router(Answers, Endpoints):
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
         # what the next attempt sends: a failed prefill may have consumed a use-once handle
         offer = handle if self.config.reverse_reads else None
+        if handle is not None and offer is None and self.config.reads == "use_once":
+            self._background(self._release_quietly(entry))  # type: ignore[arg-type]  # taken, never to be read
         for attempt in range(1 + self.config.retries):
             backend = self._choose(self.prefill, turn, entry.prefill if entry is not None else None, tried)
             if backend is None:

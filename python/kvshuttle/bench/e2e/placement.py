@@ -175,9 +175,16 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
                             "read_tokens": sum(t["read_tokens"] for t in later),
                             "computed_tokens": sum(t["computed_tokens"] for t in later),
                             "decode_local_turns": sum(t["placement"] == "decode_local" for t in later)},
+            "seconds": _seconds(later), "rounds": len(later),
             "decode_retained_gib_s": round(block_seconds * block_bytes / (1 << 30), 4),
             "prewarms": {k: int(v) for k, v in prewarms.items() if v},
             "verified": all(t["matches_recompute"] for t in turns)}
+
+
+def _seconds(turns: list[dict[str, Any]]) -> dict[str, float]:
+    """The schema's per-row times: medians over the later turns (a first turn has nothing to place)."""
+    out = {"ttft_median": _median(t["ttft_s"] for t in turns), "turn_median": _median(t["latency_s"] for t in turns)}
+    return {k: v for k, v in out.items() if v}
 
 
 def _median(values: Any) -> float | None:
