@@ -30,7 +30,8 @@ def _served(servers: list[Any], conversation: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------- unit level
 def test_rendezvous_homes_agree_across_pools_and_move_only_with_their_backend() -> None:
     specs = [parse_backend(f"http://10.0.0.{i}:8000") for i in range(1, 5)]
-    a, b = BackendPool(specs, "prefill"), BackendPool(list(reversed(specs)), "prefill")
+    salt = b"s" * 32
+    a, b = BackendPool(specs, "prefill", salt=salt), BackendPool(list(reversed(specs)), "prefill", salt=salt)
     keys = [f"conversation-{i}" for i in range(400)]
     homes = {k: a.choose_for(k)[0].name for k in keys}  # type: ignore[union-attr]
     assert homes == {k: b.choose_for(k)[0].name for k in keys}  # type: ignore[union-attr]  # order-free
@@ -45,7 +46,7 @@ def test_rendezvous_homes_agree_across_pools_and_move_only_with_their_backend() 
         if homes[k] != gone:
             assert (backend.name, how) == (homes[k], "hashed")
         else:
-            ranked = sorted((s.name for s in specs[1:]), key=lambda n: -home_score(k, n))
+            ranked = sorted((s.name for s in specs[1:]), key=lambda n: -home_score(k, n, salt))
             assert (backend.name, how) == (ranked[0], "failover")
     # sticky wins while healthy; a sticky backend that is down or already tried does not
     other = next(s.name for s in specs[1:])
@@ -53,6 +54,9 @@ def test_rendezvous_homes_agree_across_pools_and_move_only_with_their_backend() 
     assert a.choose_for("k", sticky=gone)[1] != "sticky"
     assert a.choose_for("k", sticky=other, exclude=frozenset({other}))[0].name != other  # type: ignore[union-attr]
     assert a.choose_for(None)[1] == "balanced"
+    # another deployment's secret ranks the same conversations differently: homes cannot be aimed at from outside
+    other = BackendPool(specs, "prefill", salt=b"t" * 32)
+    assert sum(other.choose_for(k)[0].name != homes[k] for k in keys) > 200  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("messages, expected", [

@@ -26,11 +26,12 @@ BACKEND_FAILURES = (aiohttp.ClientError, asyncio.TimeoutError, OSError)  # what 
 Chosen = Literal["sticky", "hashed", "failover", "balanced"]
 
 
-def home_score(key: str, name: str) -> int:
+def home_score(key: str, name: str, salt: bytes = b"") -> int:
     """Rendezvous (highest-random-weight) score of backend ``name`` for conversation ``key``: every router
     replica ranks a conversation's backends alike with no shared state, and removing a backend moves only the
-    conversations whose home it was."""
-    return int.from_bytes(hashlib.blake2b(f"{key}|{name}".encode(), digest_size=8).digest(), "big")
+    conversations whose home it was. Keyed with ``salt`` (derived from the deployment secret): a client cannot
+    choose conversation ids that all land on one backend."""
+    return int.from_bytes(hashlib.blake2b(f"{key}|{name}".encode(), digest_size=8, key=salt).digest(), "big")
 
 
 class Backend:
@@ -56,9 +57,10 @@ class Backend:
 
 
 class BackendPool:
-    def __init__(self, specs: Sequence[BackendSpec], role: str, balance: Balance = "round_robin") -> None:
+    def __init__(self, specs: Sequence[BackendSpec], role: str, balance: Balance = "round_robin",
+                 salt: bytes = b"") -> None:
         self.backends = [Backend(s, role) for s in specs]
-        self.role, self.balance = role, balance
+        self.role, self.balance, self.salt = role, balance, salt
         self._turn = itertools.count()
 
     def choose(self, exclude: frozenset[str] = frozenset()) -> Backend | None:
@@ -88,9 +90,9 @@ class BackendPool:
             for b in healthy:
                 if b.name == sticky:
                     return b, "sticky"
-        best = max(healthy, key=lambda b: home_score(key, b.name))
+        best = max(healthy, key=lambda b: home_score(key, b.name, self.salt))
         home = best if len(healthy) == len(self.backends) else max(self.backends,
-                                                                  key=lambda b: home_score(key, b.name))
+                                                                  key=lambda b: home_score(key, b.name, self.salt))
         return best, "hashed" if best is home else "failover"
 
     def find(self, name: str | None) -> Backend | None:

@@ -88,8 +88,9 @@ class Router(Answers, Endpoints):
         self._clock = clock
         self._keys = ApiKeys(config.api_keys)
         self.store: HandleStore = store if store is not None else self._make_store()
-        self.prefill = BackendPool(config.prefill, "prefill", config.balance)
-        self.decode = BackendPool(config.decode, "decode", config.balance)
+        salt = self.secret.key("router-affinity")  # conversations' homes: the same on every replica, unguessable
+        self.prefill = BackendPool(config.prefill, "prefill", config.balance, salt)
+        self.decode = BackendPool(config.decode, "decode", config.balance, salt)
         self._calls: SideChannelCalls | None = None
         if taker is None or releaser is None:
             self._calls = SideChannelCalls(self.secret)
