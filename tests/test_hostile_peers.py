@@ -82,7 +82,11 @@ def plain_dealer(address: str, **curve: bytes) -> zmq.Socket[Any]:
 
 
 def no_reply(sock: zmq.Socket[Any], message: dict[str, Any], wait_ms: int = 1500) -> bool:
-    sock.send(msgpack.packb(message), zmq.NOBLOCK)
+    try:
+        sock.send(msgpack.packb(message), zmq.NOBLOCK)
+    except zmq.Again:  # the owner already dropped the connection at the handshake: nothing reached it
+        sock.close(0)
+        return True
     got = sock.poll(wait_ms)
     sock.close(0)
     return got == 0
