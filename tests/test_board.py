@@ -272,3 +272,24 @@ def test_a_dead_rank_does_not_keep_the_live_ones_holding_blocks() -> None:
 def _tp2_handle() -> KVHandle:
     return KVHandle("owner", "req", "127.0.0.1", 5600, (1, 2), 32, 2e9, 2, "h-tp2", 0, 16,
                     (b"\x00" * 16, b"\x01" * 16), 1e9, 480.0, ("127.0.0.1:5600", "127.0.0.1:5601"))
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ({"op": "published", "found": True, "kv_transfer_params": {"a": 1}}, (True, {"a": 1})),
+    ({"op": "published", "found": True, "kv_transfer_params": None}, (True, None)),  # "nothing retained"
+    ({"op": "published", "found": False}, (False, None)),  # not yet: poll again
+])
+def test_a_take_published_reply_is_read_once_for_both_pollers(reply: dict[str, Any],
+                                                              expected: tuple[bool, Any]) -> None:
+    from kvshuttle.transfer.control import published
+
+    assert published("tcp://d:1", reply) == expected
+
+
+@pytest.mark.parametrize("reply", [{"op": "error", "kind": "protocol"}, {}, {"found": True}])
+def test_any_other_take_published_reply_is_a_protocol_error(reply: dict[str, Any]) -> None:
+    from kvshuttle.transfer.control import published
+    from kvshuttle.transfer.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match="tcp://d:1 answered take_published with"):
+        published("tcp://d:1", reply)

@@ -158,19 +158,16 @@ class Channel:
 
     async def ask_published(self, key: str, timeout_s: float) -> dict[str, Any] | None:
         """As :func:`kvshuttle.transfer.control.ask_published` (the key is checked by the caller)."""
-        from ..errors import shown
-        from ..transfer.errors import ProtocolError
+        from ..transfer.control import published
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             reply = await self.request({"op": "take_published", "key": key},
                                        max(MIN_ASK_S, deadline - loop.time()), "take_published")
-            if reply.get("op") != "published":
-                raise ProtocolError(f"{self.address} answered take_published with {shown(reply)}")
-            if reply.get("found"):
-                params = reply.get("kv_transfer_params")
-                return dict(params) if isinstance(params, dict) else None
+            found, params = published(self.address, reply)
+            if found:
+                return params
             if loop.time() + POLL_S > deadline:
                 return None
             await asyncio.sleep(POLL_S)

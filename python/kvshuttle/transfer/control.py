@@ -49,6 +49,17 @@ def authenticated_handle(kv_transfer_params: Any, secret: DeploymentSecret) -> K
 
 
 # -- one implementation per operation ---------------------------------------------------------------------------
+def published(address: str, reply: dict[str, Any]) -> tuple[bool, dict[str, Any] | None]:
+    """One ``take_published`` reply read: (found, its params: None for "nothing retained"); ProtocolError for
+    anything else (the synchronous poll below and the router's asynchronous one share it)."""
+    if reply.get("op") != "published":
+        raise ProtocolError(f"{address} answered take_published with {shown(reply)}")
+    if not reply.get("found"):
+        return False, None
+    params = reply.get("kv_transfer_params")
+    return True, dict(params) if isinstance(params, dict) else None
+
+
 def ask_published(conn: Requester, key: str, timeout_s: float, poll_s: float = 0.02) -> dict[str, Any] | None:
     """The params the owner published under ``key`` (taken: exactly one caller gets them), polling up to
     ``timeout_s``; None when nothing was published in time, or "nothing retained" was."""
@@ -57,11 +68,9 @@ def ask_published(conn: Requester, key: str, timeout_s: float, poll_s: float = 0
     while True:
         reply = conn.request({"op": "take_published", "key": key}, max(0.5, deadline - time.monotonic()),
                              "take_published")
-        if reply.get("op") != "published":
-            raise ProtocolError(f"{conn.address} answered take_published with {shown(reply)}")
-        if reply.get("found"):
-            params = reply.get("kv_transfer_params")
-            return dict(params) if isinstance(params, dict) else None
+        found, params = published(conn.address, reply)
+        if found:
+            return params
         if time.monotonic() + poll_s > deadline:
             return None
         time.sleep(poll_s)
