@@ -293,3 +293,22 @@ def test_any_other_take_published_reply_is_a_protocol_error(reply: dict[str, Any
 
     with pytest.raises(ProtocolError, match="tcp://d:1 answered take_published with"):
         published("tcp://d:1", reply)
+
+
+def test_dropped_handles_are_reported_and_taken_ones_are_not() -> None:
+    """Every entry the board drops untaken (expired, pushed out, replaced by another handle under its key) reaches
+    ``on_unclaimed`` once, after the lock; an explicit "nothing retained" (None) and a taken entry never do."""
+    clock, heard = FakeClock(), []
+    board = HandleBoard(ttl_s=5.0, max_entries=3, clock=clock, on_unclaimed=heard.append)
+    board.put("a", {"h": "a"})
+    board.put("none", None)
+    board.put("b", {"h": "b"})
+    board.put("b", {"h": "b"})  # the same handle again: nothing orphaned
+    board.put("c", {"h": "c"})  # pushes out "a"
+    assert heard == [{"h": "a"}]
+    board.put("c", {"h": "c2"})  # another handle under a used key orphans the first
+    assert heard == [{"h": "a"}, {"h": "c"}]
+    assert board.take("b") == (True, {"h": "b"})
+    clock.now += 6.0
+    assert board.sweep() == 2 and heard[2:] == [{"h": "c2"}]  # "none" and "c2" expired; only one handle
+    assert board.sweep() == 0 and len(heard) == 3 and board.dropped == 4

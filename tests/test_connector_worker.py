@@ -200,3 +200,40 @@ def test_a_released_cache_is_never_served_again() -> None:
         assert invalid == {60, 61}  # the load recomputes: its target blocks are reported invalid
     finally:
         w.shutdown()
+
+
+def test_a_published_handle_no_router_took_ends_when_the_board_drops_it() -> None:
+    """A streamed turn's handle waits on the board for its router; one never taken (the router's take failed,
+    the router died) can never be named by a next turn, so its retention ends when the board drops it (its blocks
+    go back to vLLM then, not at the handle's TTL). A taken one stays retained; a rank other than 0 (no router
+    takes from it) leaves it to rank 0."""
+    from kvshuttle.integrations.vllm.metadata import Publication, RetainJob
+    from kvshuttle.policy import block_digests
+
+    config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True}, model="m")
+    digests = tuple(block_digests(list(range(64)), BS))
+    params = {rid: {"kvshuttle_handle_id": f"h-{rid}", "kvshuttle_request_id": rid} for rid in ("taken", "left")}
+    for rank in (0, 1):
+        w = ShuttleWorker(config, f"board{rank}", BS, secret=SECRET, tp_rank=rank, tp_size=2, num_kv_heads=4)
+        host = make_cache(np.random.default_rng(7), GEO)
+        w.register_kv_caches({f"layer.{i}": x for i, x in enumerate(host.layers)}, "CPU_ATTN")
+        assert w.ledger is not None
+        try:
+            w.board.ttl_s = 0.3
+            w.start(ShuttleMetadata(
+                retains=[RetainJob(rid, f"h-{rid}", (2 * i, 2 * i + 1), digests, 64, BS, 60.0, False)
+                         for i, rid in enumerate(params)],
+                publications=[Publication(rid, f"key-{rid}", p) for rid, p in params.items()]))
+            w.finished(set(params))  # vLLM named both finished: their blocks wait for their retentions
+            assert w.board.take("key-taken") == (True, params["taken"])
+            time.sleep(0.4)
+            sending, _ = w.finished(set())
+            assert len(w.board) == 0 and w.board.dropped == 1
+            if rank == 0:
+                assert sending == {"left"} and len(w.ledger) == 1
+                assert w.take_stats().data.get("board.unclaimed_released") == 1
+                assert w.worker_meta() is not None  # TP > 1: the scheduler ends it on every rank
+            else:
+                assert sending == set() and len(w.ledger) == 2
+        finally:
+            w.shutdown()

@@ -7,15 +7,18 @@ decode's answer to its client never sees the decode's handle. The router sends a
 "nothing retained") under it; the router takes them with :func:`kvshuttle.transfer.control.take_published`.
 
 Entries are taken once, expire after ``ttl_s`` and the board holds at most ``max_entries`` (oldest dropped
-first), so an unclaimed publication never grows the owner's memory.
+first), so an unclaimed publication never grows the owner's memory. A handle nobody took (the router's take
+failed or timed out, the router died) can never be named by a next turn: ``on_unclaimed`` hears of each one
+dropped, and the connector ends its retention then instead of holding the blocks to the handle's TTL.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import shown
@@ -37,10 +40,12 @@ class HandleBoard:
     """Publications by key: ``put`` by the owner's connector, ``take`` (once) by a router. Thread-safe."""
 
     def __init__(self, ttl_s: float = 60.0, max_entries: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_unclaimed: Callable[[dict[str, Any]], None] | None = None) -> None:
         if ttl_s <= 0 or max_entries <= 0:
             raise TransferArgumentError(f"ttl_s and max_entries must be positive, got {ttl_s}, {max_entries}")
         self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
+        self.on_unclaimed = on_unclaimed  # called (outside the lock) with each dropped entry's params
         self._entries: OrderedDict[str, tuple[float, dict[str, Any] | None]] = OrderedDict()
         self._lock = threading.Lock()
         self.dropped = 0  # publications expired or pushed out before anyone took them
@@ -48,34 +53,53 @@ class HandleBoard:
     def put(self, key: str, params: dict[str, Any] | None) -> None:
         """Publish ``params`` under ``key`` (None: the request finished and nothing was retained)."""
         check_publish_key(key)
-        with self._lock:
-            self._sweep()
-            self._entries.pop(key, None)
+        with self._swept() as dropped:
+            replaced = self._entries.pop(key, None)
+            if replaced is not None and replaced[1] != params:  # a key is used once: the first handle is orphaned
+                dropped.append(replaced[1])
             self._entries[key] = (self._clock() + self.ttl_s, params)
             while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-                self.dropped += 1
+                dropped.append(self._entries.popitem(last=False)[1][1])
 
     def take(self, key: str) -> tuple[bool, dict[str, Any] | None]:
         """(found, params); a found entry is removed."""
-        with self._lock:
-            self._sweep()
+        with self._swept():
             entry = self._entries.pop(key, None)
         return (False, None) if entry is None else (True, entry[1])
 
+    def sweep(self) -> int:
+        """Drop the expired entries now (the connector calls it every step, so an idle board lets go too)."""
+        with self._swept() as dropped:
+            pass
+        return len(dropped)
+
     def __len__(self) -> int:
-        with self._lock:
-            self._sweep()
+        with self._swept():
             return len(self._entries)
 
-    def _sweep(self) -> None:
-        now = self._clock()
+    @contextlib.contextmanager
+    def _swept(self) -> Iterator[list[dict[str, Any] | None]]:
+        """Under the lock with the expired entries dropped (the body may drop more); reported after it."""
+        with self._lock:
+            dropped = self._sweep()
+            try:
+                yield dropped
+            finally:
+                self.dropped += len(dropped)
+        if self.on_unclaimed is not None:
+            for params in dropped:
+                if params is not None:
+                    self.on_unclaimed(params)
+
+    def _sweep(self) -> list[dict[str, Any] | None]:
+        now, dropped = self._clock(), []
         while self._entries:
-            key, (deadline, _) = next(iter(self._entries.items()))
+            key, (deadline, params) = next(iter(self._entries.items()))
             if deadline > now:
                 break
             del self._entries[key]
-            self.dropped += 1
+            dropped.append(params)
+        return dropped
 
 
 def serve_take(board: HandleBoard | None, message: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..schema import envelope
+from .bystander import Bystander, gap_stats
 from .deployment import QUESTIONS, ask, context_document, cores, counters, delta, router_counts, start_router
 from .engines import free_port, kill_group, shuttle_transfer_config
 from .serve import ServedEngine, ServeSpec, metric_total
@@ -63,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=48)
     parser.add_argument("--gap-s", type=float, default=1.5, help="seconds from an answer to the next turn")
     parser.add_argument("--decode-local", type=int, default=256, help="decode_local's --decode-local-max-tokens")
+    parser.add_argument("--bystander", action="store_true",
+                        help="stream another user's long answer from the decode throughout, and report its "
+                             "inter-token gaps during the measured turns and outside them (bench/e2e/bystander.py)")
     parser.add_argument("--model", default="", help="model directory (default: the tiny random Llama, built here)")
     parser.add_argument("--log-dir", default="")
 
@@ -128,6 +132,8 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
     answered = [0.0] * args.conversations
     turns: list[dict[str, Any]] = []
     block_seconds, sampled, leftover = 0.0, time.monotonic(), _retained(decode)  # not this configuration's
+    bystander = Bystander(decode.url, name=f"bystander-{name}").start() if args.bystander else None
+    windows: list[tuple[float, float, float]] = []  # later turns: (request, first token, last token)
     try:
         for k in range(args.turns):
             for c in range(args.conversations):
@@ -137,9 +143,13 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
                 if name == "floor" and k and served[c] is not None:
                     _warm(prefills[served[c]], histories[c])  # type: ignore[index]
                 histories[c].append({"role": "user", "content": _message(list(CONFIGS).index(name), c, k, args)})
+                counted = time.monotonic()
                 before = [counters(p) for p in prefills], counters(decode), router_counts(url)
+                asked = time.monotonic()
                 answer, ttft, took = ask(client, histories[c], True, args.answer_tokens, f"{name}-{c}")
                 answered[c] = time.monotonic()
+                if k:
+                    windows.append((asked, asked + ttft, answered[c]))
                 after = [counters(p) for p in prefills], counters(decode), router_counts(url)
                 now, held = time.monotonic(), _retained(decode)
                 block_seconds += max(0.0, held - leftover) * (now - sampled)
@@ -148,6 +158,8 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
                 busiest = max(range(len(prefills)), key=lambda i: moved[i]["prompt"])
                 placement = [x for x, n in after[2].items() if n > before[2].get(x, 0.0)]
                 d = delta(after[1], before[1])
+                if bystander is not None:  # its prompts moved the decode's counter too (never its cache hits)
+                    d["prompt"] -= bystander.prompts_between(counted, time.monotonic())
                 on_prefill = moved[busiest]["prompt"] > 0
                 served[c] = busiest if on_prefill else served[c]
                 p = moved[busiest] if on_prefill else {**d, "read": 0.0}  # decode-local: the decode's own counts
@@ -167,7 +179,11 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
                 urllib.request.urlopen(urllib.request.Request(f"{url}/v1/conversations/{name}-{c}",
                                                               method="DELETE"), timeout=30).close()
         kill_group(router.pid)
+        if bystander is not None:
+            bystander.stop()
     later = [t for t in turns if t["turn"] > 1]
+    extra_fields = {} if bystander is None else {
+        "bystander": {**gap_stats(bystander.gaps, windows), "errors": bystander.errors[:5]}}
     return {"config": name, "router_args": extra, "turns": turns,
             "later_turns": {"ttft_s_median": _median(t["ttft_s"] for t in later),
                             "latency_s_median": _median(t["latency_s"] for t in later),
@@ -178,7 +194,7 @@ def _run_config(name: str, args: argparse.Namespace, prefills: list[ServedEngine
             "seconds": _seconds(later), "rounds": len(later),
             "decode_retained_gib_s": round(block_seconds * block_bytes / (1 << 30), 4),
             "prewarms": {k: int(v) for k, v in prewarms.items() if v},
-            "verified": all(t["matches_recompute"] for t in turns)}
+            "verified": all(t["matches_recompute"] for t in turns), **extra_fields}
 
 
 def _seconds(turns: list[dict[str, Any]]) -> dict[str, float]:
@@ -249,4 +265,13 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{'yes' if r['verified'] else 'NO':>3}")
     lines.append("(later turns only: seconds, medians; tokens summed: from the prefill's own cache, read from the "
                  "decode, computed; GiB-s: the decode's retained KV over the run)")
+    watched = [r for r in result["results"] if "bystander" in r]
+    if watched:
+        lines.append(f"{'bystander on the decode':<24} {'tokens':>7} {'ITL p50':>8} {'p90':>7} {'max':>7}  (ms)")
+        for r in watched:
+            for where in ("during_prefill", "during_answer", "outside_turns"):
+                s = r["bystander"][where]
+                cells = [s.get(k, "-") for k in ("itl_ms_p50", "itl_ms_p90", "itl_ms_max")]
+                lines.append(f"{r['config'] + ' ' + where.replace('_turns', ''):<24} {s['tokens']:>7} "
+                             f"{cells[0]!s:>8} {cells[1]!s:>7} {cells[2]!s:>7}")
     return "\n".join(lines)

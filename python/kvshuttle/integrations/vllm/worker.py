@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ...core.layout import PagedKVCache, vllm_layer_index
+from ...policy.kv_handle import PREFIX
 from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
@@ -36,6 +37,7 @@ from .layered import LayeredLoads, load_failure
 from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata, ShuttleWorkerMeta
 from .stats import ShuttleStats
 
+HANDLE_ID_FIELD = PREFIX + "handle_id"
 log = logging.getLogger("vllm.kvshuttle")
 UNKNOWN_HANDLE_GRACE_S = 0.5  # the owner's ledger learns of a fresh handle one engine step after issuing it
 UNMATCHED_STEPS = 8  # steps a finished id without a retention here is kept, in case its RetainJob is late
@@ -67,7 +69,9 @@ class ShuttleWorker:
         self._load_errors: set[int] = set()
         self._stats = ShuttleStats(data={})  # finished loads and notifications since the last stats read
         self._warned: set[str] = set()
-        self.board = HandleBoard()  # handles a streaming router takes (board.py)
+        # Handles a streaming router takes (board.py). Routers take from rank 0's board only: there a handle no
+        # router took ends at once (every rank then, through worker_meta), instead of holding blocks to its TTL.
+        self.board = HandleBoard(on_unclaimed=self._unclaimed if tp_rank == 0 else None)
         self._transfer_cpus = frozenset(config.transfer_cpus or ())
         self._transfer_tids: set[int] = set()  # the threads the transfer engine started (affinity.py)
 
@@ -165,6 +169,7 @@ class ShuttleWorker:
         self.settle_layered()  # (vLLM calls wait_for_save first; this is the backstop)
         self._step += 1
         self._sweep()
+        self.board.sweep()
         self._drain_notifications()
         with self._lock:
             for request_id in finished_req_ids:
@@ -355,6 +360,20 @@ class ShuttleWorker:
             self.ledger.release(handle_id)  # False when it ended here already
         except Exception as exc:
             self._warn_once("release", f"kvshuttle: ending request {request_id}'s retention failed: {exc!r}")
+
+    def _unclaimed(self, params: dict[str, Any]) -> None:
+        """A published handle no router took within the board's TTL: no next turn can name it."""
+        handle_id = params.get(HANDLE_ID_FIELD)
+        if not isinstance(handle_id, str) or self.ledger is None:
+            return
+        try:
+            ended = self.ledger.release(handle_id)
+        except Exception as exc:
+            self._warn_once("unclaimed", f"kvshuttle: ending an unclaimed handle's retention failed: {exc!r}")
+            return
+        if ended:
+            with self._lock:
+                self._stats.data["board.unclaimed_released"] = self._stats.data.get("board.unclaimed_released", 0) + 1
 
     def _on_release(self, request_id: str) -> None:
         with self._lock:
