@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers turns are routed to (at random, or by --affinity)")
     parser.add_argument("--affinity", action="store_true",
                         help="the router keeps each conversation on one prefill worker (kvshuttle router's default)")
+    parser.add_argument("--round-robin", action="store_true",
+                        help="without --affinity: turns go to the workers in turn by arrival (kvshuttle router "
+                             "--affinity none), not at random")
     parser.add_argument("--prewarm", action="store_true",
                         help="with --affinity: the router pre-warms the next turn's worker with prompt and answer")
     parser.add_argument("--decode-local", type=int, default=0, metavar="N",
@@ -139,12 +142,15 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.prewarm and not args.affinity:
         raise PlannerError("--prewarm needs --affinity (the router warms the worker the next turn goes to)")
+    if args.round_robin and args.affinity:
+        raise PlannerError("--round-robin is the routing without --affinity: give one of them")
 
     command = "kvshuttle plan " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     doc, runs = run_plan(trace, profile, ttls, thresholds, prefill_workers=args.prefill_workers, queue=args.queue,
                          expiry_margin_s=args.expiry_margin, progress=not args.no_progress and not args.json,
                          command=command.strip() or "kvshuttle plan",
-                         placement=Placement(args.affinity, args.prewarm, args.decode_local))
+                         placement=Placement(args.affinity, args.prewarm, args.decode_local,
+                                             round_robin=args.round_robin))
     if args.plots:
         doc["plots"] = [str(p) for p in write_plots(doc, runs, args.plots)]
     text = format_plan(doc)
