@@ -6,6 +6,7 @@
     kvshuttle plan --tp-size 4 --json                # the profile's KV split over 4 TP ranks
     kvshuttle plan --cases                           # no reusable context, pauses past the TTL, edited history
     kvshuttle plan --validate                        # predictions vs benchmarks/results/vm2_e2e.json, per row
+    kvshuttle plan --validate-placement              # ... vs benchmarks/results/vm2_placement.json, per config
     kvshuttle plan --reproduce                       # the published Qwen3-32B H200 curve, on and off
 """
 
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--validate", metavar="E2E_JSON", nargs="?", const="",
                       help="predictions vs a 'kvshuttle bench e2e --json' output (default: "
                            "benchmarks/results/vm2_e2e.json), per row")
+    what.add_argument("--validate-placement", metavar="PLACEMENT_JSON", nargs="?", const="",
+                      help="predictions vs a 'kvshuttle bench placement --json' output (default: "
+                           "benchmarks/results/vm2_placement.json), per configuration")
     what.add_argument("--reproduce", action="store_true",
                       help="planner TTFT on/off vs prompt length next to the published H200 points")
     what.add_argument("--cases", action="store_true", help="no reusable context, pauses past the TTL, edited history")
@@ -111,6 +115,13 @@ def _main(args: argparse.Namespace) -> int:
         result = validate(load_e2e(path), [str(p) for p in default_transfer_paths(path)])
         result["source"] = str(path)
         _emit(args, result, f"{path}\n" + format_validation(result))
+        return 0
+    if args.validate_placement is not None:
+        from .validate_placement import default_placement_path, format_placement_validation, validate_placement_file
+
+        path = Path(args.validate_placement) if args.validate_placement else default_placement_path()
+        result = validate_placement_file(path)
+        _emit(args, result, f"{path}\n" + format_placement_validation(result))
         return 0
     profile = load_profile(args.profile)
     if args.prefill_cache_gib is not None:
