@@ -324,10 +324,11 @@ def format_placement_validation(result: Mapping[str, Any]) -> str:
 
 def validate_placement_file(path: str | Path) -> dict[str, Any]:
     """:func:`validate_placement` on a file, with the transfer bench results next to it."""
+    placement = load_placement(path)
     transfer = [str(p) for p in default_transfer_paths(Path(path))]
     if not transfer:
         raise PlannerError(f"no vm2_transfer.json next to {path}: the read cost comes from 'kvshuttle bench "
                            "transfer --json'")
-    result = validate_placement(load_placement(path), transfer)
+    result = validate_placement(placement, transfer)
     result["source"] = str(path)
     return result
