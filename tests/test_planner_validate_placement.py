@@ -5,6 +5,7 @@ placement output with known answers, and ``kvshuttle plan --validate-placement``
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,7 @@ def test_one_client_sends_each_turn_after_the_previous_answer() -> None:
     run = simulate(PreparedTrace(TRACE, 32), PROFILE, mode="reverse_read", one_at_a_time=True)
     ends = [start for start, _, _ in run.retained]  # a handle is retained from its turn's end
     busy = [t + d for t, d in zip(run.ttft, run.decode, strict=True)]
-    assert all(b - a >= busy[i + 1] - 1e-9 for i, (a, b) in enumerate(zip(ends, ends[1:], strict=False)))
+    assert all(b - a >= busy[i + 1] - 1e-9 for i, (a, b) in enumerate(itertools.pairwise(ends)))
     together = simulate(PreparedTrace(TRACE, 32), PROFILE, mode="reverse_read")
     assert max(s for s, _, _ in together.retained) < max(ends)  # concurrent conversations finish sooner
 

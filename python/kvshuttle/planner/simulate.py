@@ -1,14 +1,15 @@
 """The what-if simulation: replay a trace under one cost profile, per mode, TTL and threshold.
 
 A discrete-event replay in arrival order. Each conversation is closed-loop: a turn arrives ``gap_s`` after the
-previous turn's answer ended, so faster turns bring the next ones forward. Per turn:
+previous turn's answer ended, so faster turns bring the next ones forward (or, ``one_at_a_time``, item 8, one
+client sends every turn in turn). Per turn:
 
 1. **Local prefix cache** (modes ``local_cache``, ``reverse_read+local_cache``): the prefill worker the turn is
-   routed to (``prefill_workers``: chosen at random, seeded, or in turn by arrival, :class:`Placement`) holds whole blocks of the prompts it computed or read
-   earlier, in an LRU of ``profile.prefill_cache_gib`` shared by every conversation on that worker (partial
-   eviction from the least recently used entry's tail, as vLLM frees a request's tail blocks first). A prefill
-   worker never holds an answer: decode generated it. The hit is the cached prefix the new prompt still shares,
-   in whole blocks, never the last prompt token.
+   routed to (``prefill_workers``: at random, seeded, or by :class:`Placement`) holds whole blocks of the prompts
+   it computed or read earlier, in an LRU of ``profile.prefill_cache_gib`` shared by every conversation on that
+   worker (partial eviction from the least recently used entry's tail, as vLLM frees a request's tail blocks
+   first). A prefill worker never holds an answer (decode generated it) unless pre-warmed (item 6). The hit is
+   the cached prefix the new prompt still shares, in whole blocks, never the last prompt token.
 2. **Reverse read** (modes ``reverse_read*``): the previous turn's decode retained its prompt + answer (minus
    the last sampled token, which has no KV yet) until ``end + TTL``. The decision is kvshuttle's own policy,
    :func:`kvshuttle.policy.decide`, on real block digests of synthetic token ids (an edited history verifies

@@ -302,7 +302,8 @@ def format_placement_validation(result: Mapping[str, Any]) -> str:
                      f"{x['measured_over_floor']:>7.2f}{x['predicted_over_floor']:>6.2f}{m['turn_s']:>9.3f}"
                      f"{p['turn_s']:>7.3f}{m['local']:>7}{p['local']:>7}{m['read']:>6}{p['read']:>6}"
                      f"{m['computed']:>9}{p['computed']:>6}{m['decode_local_turns']:>8}{p['decode_local_turns']:>5}"
-                     f"{str(x['per_turn_within']) + '/' + str(x['per_turn']):>9}  {x['kind']}{'  MISS' if x['miss'] else ''}")
+                     f"{str(x['per_turn_within']) + '/' + str(x['per_turn']):>9}  {x['kind']}"
+                     f"{'  MISS' if x['miss'] else ''}")
     s, prof = result["summary"], result["profile"]
     low, high = s["fit_residual_range"]
     lines += [f"{s['within_target']} of {s['predicted_configs']} predicted configurations within +-{TARGET:.0%} on "
