@@ -160,6 +160,7 @@ def test_the_validation_recovers_a_known_cost_model_and_flags_the_slow_configura
     slow = rows["reverse_reads"]
     assert slow["miss"] and slow["ttft_error"] == pytest.approx(1 / 1.5 - 1) and slow["tokens_match"]
     assert "per turn 0 of 6" in slow["reasons"][0]
+    assert "prefill 0 -33% (4 turns), prefill 1 -33% (2 turns)" in slow["reasons"][1]  # homes 0, 1, 0
     assert result["summary"]["within_target"] == 2 and result["summary"]["predicted_configs"] == 3
     text = format_placement_validation(result)
     assert "MISS reverse_reads:" in text and "not modelled: later_idea" in text
