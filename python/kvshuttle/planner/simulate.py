@@ -49,7 +49,9 @@ client sends every turn in turn). Per turn:
 
 Not modelled: batching several requests into one prefill step, decode contention (a decode-local turn's compute
 delays the decode's other requests), read failures (a failed read recomputes: that would cost a read *and* a
-recompute).
+recompute), prefill workers of different speeds (every worker runs at the profile's), a decode-local turn's
+own fixed cost (it pays the profile's prefill fixed cost, hand-off to the decode included), and the router's
+text estimate of a turn's new tokens (decode-local decides on their token count).
 """
 
 from __future__ import annotations
