@@ -79,6 +79,7 @@ def test_plan_command_takes_the_placement_options(capsys: pytest.CaptureFixture[
     assert main(["plan", "--synthetic", "conversations=6", "--prefill-workers", "2", "--affinity", "--prewarm",
                  "--decode-local", "64", "--ttl", "480", "--threshold", "64", "--json", "--no-progress"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["options"]["placement"] == {"affinity": True, "prewarm": True, "decode_local_tokens": 64}
+    assert doc["options"]["placement"] == {"affinity": True, "prewarm": True, "decode_local_tokens": 64,
+                                           "round_robin": False, "homes": []}
     assert main(["plan", "--synthetic", "conversations=2", "--prewarm", "--json", "--no-progress"]) != 0
     assert "--prewarm needs --affinity" in capsys.readouterr().err

@@ -3,9 +3,10 @@
 ``kvshuttle plan`` (:mod:`.cli`) replays a trace (:mod:`.trace`) under a cost profile (:mod:`.profile`) in four
 modes (no prefix cache, local prefix cache, reverse reads, both) per TTL and threshold (:mod:`.simulate`, which
 decides every read with :func:`kvshuttle.policy.decide`), and reports TTFT, whole-turn latency, reuse, bytes
-and decode memory held (:mod:`.report`). :mod:`.validate` checks it against this machine's end-to-end runs and
-:mod:`.published` against the published H200 + EFA numbers. Stdlib + numpy; tqdm and matplotlib (the ``plan``
-extra) only for progress bars and plots.
+and decode memory held (:mod:`.report`). :mod:`.validate` checks it against this machine's end-to-end runs,
+:mod:`.validate_placement` against its placement runs (two prefills behind the router) and :mod:`.published`
+against the published H200 + EFA numbers. Stdlib + numpy; tqdm and matplotlib (the ``plan`` extra) only for
+progress bars and plots.
 """
 
 from __future__ import annotations

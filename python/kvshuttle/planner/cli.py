@@ -6,6 +6,7 @@
     kvshuttle plan --tp-size 4 --json                # the profile's KV split over 4 TP ranks
     kvshuttle plan --cases                           # no reusable context, pauses past the TTL, edited history
     kvshuttle plan --validate                        # predictions vs benchmarks/results/vm2_e2e.json, per row
+    kvshuttle plan --validate-placement              # ... vs benchmarks/results/vm2_placement.json, per config
     kvshuttle plan --reproduce                       # the published Qwen3-32B H200 curve, on and off
 """
 
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill workers turns are routed to (at random, or by --affinity)")
     parser.add_argument("--affinity", action="store_true",
                         help="the router keeps each conversation on one prefill worker (kvshuttle router's default)")
+    parser.add_argument("--round-robin", action="store_true",
+                        help="without --affinity: turns go to the workers in turn by arrival (kvshuttle router "
+                             "--affinity none), not at random")
     parser.add_argument("--prewarm", action="store_true",
                         help="with --affinity: the router pre-warms the next turn's worker with prompt and answer")
     parser.add_argument("--decode-local", type=int, default=0, metavar="N",
@@ -59,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--validate", metavar="E2E_JSON", nargs="?", const="",
                       help="predictions vs a 'kvshuttle bench e2e --json' output (default: "
                            "benchmarks/results/vm2_e2e.json), per row")
+    what.add_argument("--validate-placement", metavar="PLACEMENT_JSON", nargs="?", const="",
+                      help="predictions vs a 'kvshuttle bench placement --json' output (default: "
+                           "benchmarks/results/vm2_placement.json), per configuration")
     what.add_argument("--reproduce", action="store_true",
                       help="planner TTFT on/off vs prompt length next to the published H200 points")
     what.add_argument("--cases", action="store_true", help="no reusable context, pauses past the TTL, edited history")
@@ -109,6 +116,13 @@ def _main(args: argparse.Namespace) -> int:
         result["source"] = str(path)
         _emit(args, result, f"{path}\n" + format_validation(result))
         return 0
+    if args.validate_placement is not None:
+        from .validate_placement import default_placement_path, format_placement_validation, validate_placement_file
+
+        path = Path(args.validate_placement) if args.validate_placement else default_placement_path()
+        result = validate_placement_file(path)
+        _emit(args, result, f"{path}\n" + format_placement_validation(result))
+        return 0
     profile = load_profile(args.profile)
     if args.prefill_cache_gib is not None:
         profile = profile.with_changes(prefill_cache_gib=args.prefill_cache_gib)
@@ -139,12 +153,15 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.prewarm and not args.affinity:
         raise PlannerError("--prewarm needs --affinity (the router warms the worker the next turn goes to)")
+    if args.round_robin and args.affinity:
+        raise PlannerError("--round-robin is the routing without --affinity: give one of them")
 
     command = "kvshuttle plan " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     doc, runs = run_plan(trace, profile, ttls, thresholds, prefill_workers=args.prefill_workers, queue=args.queue,
                          expiry_margin_s=args.expiry_margin, progress=not args.no_progress and not args.json,
                          command=command.strip() or "kvshuttle plan",
-                         placement=Placement(args.affinity, args.prewarm, args.decode_local))
+                         placement=Placement(args.affinity, args.prewarm, args.decode_local,
+                                             round_robin=args.round_robin))
     if args.plots:
         doc["plots"] = [str(p) for p in write_plots(doc, runs, args.plots)]
     text = format_plan(doc)

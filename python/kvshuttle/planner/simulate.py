@@ -1,14 +1,15 @@
 """The what-if simulation: replay a trace under one cost profile, per mode, TTL and threshold.
 
 A discrete-event replay in arrival order. Each conversation is closed-loop: a turn arrives ``gap_s`` after the
-previous turn's answer ended, so faster turns bring the next ones forward. Per turn:
+previous turn's answer ended, so faster turns bring the next ones forward (or, ``one_at_a_time``, item 8, one
+client sends every turn in turn). Per turn:
 
 1. **Local prefix cache** (modes ``local_cache``, ``reverse_read+local_cache``): the prefill worker the turn is
-   routed to (``prefill_workers``, chosen at random, seeded) holds whole blocks of the prompts it computed or read
-   earlier, in an LRU of ``profile.prefill_cache_gib`` shared by every conversation on that worker (partial
-   eviction from the least recently used entry's tail, as vLLM frees a request's tail blocks first). A prefill
-   worker never holds an answer: decode generated it. The hit is the cached prefix the new prompt still shares,
-   in whole blocks, never the last prompt token.
+   routed to (``prefill_workers``: at random, seeded, or by :class:`Placement`) holds whole blocks of the prompts
+   it computed or read earlier, in an LRU of ``profile.prefill_cache_gib`` shared by every conversation on that
+   worker (partial eviction from the least recently used entry's tail, as vLLM frees a request's tail blocks
+   first). A prefill worker never holds an answer (decode generated it) unless pre-warmed (item 6). The hit is
+   the cached prefix the new prompt still shares, in whole blocks, never the last prompt token.
 2. **Reverse read** (modes ``reverse_read*``): the previous turn's decode retained its prompt + answer (minus
    the last sampled token, which has no KV yet) until ``end + TTL``. The decision is kvshuttle's own policy,
    :func:`kvshuttle.policy.decide`, on real block digests of synthetic token ids (an edited history verifies
@@ -29,15 +30,28 @@ previous turn's answer ended, so faster turns bring the next ones forward. Per t
    read's time is one rank's share (:meth:`.CostProfile.transfer_s`: the ranks read at once).
 
 6. **Placement** (:class:`Placement`, the router's settings): ``affinity`` keeps each conversation on one prefill
-   worker (its home) instead of a random one; ``prewarm`` (with affinity and a local cache) puts the history,
-   prompt *and* answer, into the home worker's cache when the gap before the next turn is long enough to compute
-   the answer's tokens there (off the TTFT path); ``decode_local_tokens`` (reverse-read modes: the router finds
-   the decode through the handle) sends a turn that would compute at most that many tokens on the decode, which
-   reuses what it retained (the shared prefix, in whole blocks) and computes the rest: no prefill, no read.
+   worker (its home: ``homes`` when given, else conversation index modulo workers) instead of a random one, or
+   (``round_robin``) the next worker in arrival order, as ``kvshuttle router --affinity none`` does;
+   ``prewarm`` (with affinity and a local cache) puts the history, prompt *and* answer as the next prompt
+   renders them, into the home worker's cache when the gap before the next turn is long enough to compute the
+   answer's tokens there (off the TTFT path); ``decode_local_tokens`` (reverse-read modes: the router finds the
+   decode through the handle) sends a turn whose new tokens (the router's estimate over the new messages) are at
+   most that many to the decode, which reuses what it retained (the shared prefix, in whole blocks) and
+   computes the rest: no prefill, no read.
+7. **Re-tokenized answers** (``PreparedTrace(answer_kept_tokens=)``): the next prompt carries the answer as the
+   chat template re-renders it, as text re-tokenized; only its first ``answer_kept_tokens`` tokens may equal the
+   ids decode generated (``None``: all of them). The decode's retained KV (a read, a decode-local turn) then
+   shares at most the previous prompt and those tokens; a pre-warmed prefill, which computed the re-rendered
+   history, shares all of it. ``kvshuttle plan --validate-placement`` (the tiny random model) keeps 0.
+8. **One client** (``one_at_a_time``): a benchmark client with one request in flight, conversations in turn
+   round by round (c0, c1, ... then the next round, as ``kvshuttle bench placement``): a turn is sent when the
+   previous request's answer ended and at least its ``gap_s`` after its own conversation's previous answer.
 
 Not modelled: batching several requests into one prefill step, decode contention (a decode-local turn's compute
 delays the decode's other requests), read failures (a failed read recomputes: that would cost a read *and* a
-recompute).
+recompute), prefill workers of different speeds (every worker runs at the profile's), a decode-local turn's
+own fixed cost (it pays the profile's prefill fixed cost, hand-off to the decode included), and the router's
+text estimate of a turn's new tokens (decode-local decides on their token count).
 """
 
 from __future__ import annotations
@@ -69,20 +83,29 @@ class _Prepared:
     """One turn's fixed facts: its prompt's digests, what decode holds after it, what it shares."""
 
     prompt_tokens: int
+    new_tokens: int
     output_tokens: int
     gap_s: float
-    shared: int  # tokens the prompt shares with the previous turn's prompt + answer (0 on turn 1)
+    shared: int  # tokens the prompt shares with the previous turn's prompt + answer as generated (0 on turn 1)
+    rendered_shared: int  # ... with the previous prompt + answer as the chat template re-renders it (0 on turn 1)
     digests: PromptDigests
     handle_tokens: int  # KV tokens decode holds after this turn (prompt + answer - 1)
     handle_digests: tuple[bytes, ...]
 
 
 class PreparedTrace:
-    """Token ids and digests per turn, computed once for every mode and setting (seeded per conversation)."""
+    """Token ids and digests per turn, computed once for every mode and setting (seeded per conversation).
 
-    def __init__(self, trace: Trace, block_size: int, *, progress: bool = False) -> None:
+    ``answer_kept_tokens``: how many of an answer's generated token ids its re-rendered text keeps in the next
+    prompt (module docstring, item 7; ``None``: all)."""
+
+    def __init__(self, trace: Trace, block_size: int, *, progress: bool = False,
+                 answer_kept_tokens: int | None = None) -> None:
+        if answer_kept_tokens is not None and answer_kept_tokens < 0:
+            raise PlannerError(f"answer_kept_tokens must be >= 0 or None, got {answer_kept_tokens!r}")
         self.trace = trace
         self.block_size = block_size
+        self.answer_kept_tokens = answer_kept_tokens
         self.turns: list[list[_Prepared]] = []
         convs: Iterable[Any] = trace.conversations
         if progress:
@@ -91,32 +114,41 @@ class PreparedTrace:
             convs = tqdm(convs, desc="digesting turns", unit="conv", leave=False)
         for index, conv in enumerate(convs):
             rng = np.random.default_rng(index)
-            prev: npt.NDArray[np.uint32] | None = None
+            rendered: npt.NDArray[np.uint32] | None = None  # the previous prompt + answer as re-rendered
+            generated = 0  # of which tokens equal what decode generated (its retained KV)
             prepared = []
             for spec in conv.turns:
-                if prev is None:
-                    shared = 0
+                if rendered is None:
+                    shared = rendered_shared = 0
                     prompt = _fresh(rng, spec.prompt_tokens)
                 else:
                     limit = spec.edit_at if spec.edit_at is not None else spec.history_tokens
-                    shared = min(spec.history_tokens, len(prev), limit)
-                    prompt = np.concatenate([prev[:shared], _fresh(rng, spec.history_tokens - shared),
+                    rendered_shared = min(spec.history_tokens, len(rendered), limit)
+                    shared = min(rendered_shared, generated)
+                    prompt = np.concatenate([rendered[:rendered_shared],
+                                             _fresh(rng, spec.history_tokens - rendered_shared),
                                              _fresh(rng, spec.new_tokens)])
-                seq = np.concatenate([prompt, _fresh(rng, spec.output_tokens)])
+                answer = _fresh(rng, spec.output_tokens)
+                seq = np.concatenate([prompt, answer])
                 held = len(seq) - 1
                 handle_digests = tuple(block_digests(seq[:held], block_size)) if held > 0 else ()
-                prepared.append(_Prepared(spec.prompt_tokens, spec.output_tokens, spec.gap_s, shared,
-                                          PromptDigests.from_tokens(prompt, block_size), held, handle_digests))
-                prev = seq
+                prepared.append(_Prepared(spec.prompt_tokens, spec.new_tokens, spec.output_tokens, spec.gap_s,
+                                          shared, rendered_shared, PromptDigests.from_tokens(prompt, block_size),
+                                          held, handle_digests))
+                kept = len(answer) if answer_kept_tokens is None else min(answer_kept_tokens, len(answer))
+                # the re-rendered answer: its first ``kept`` ids as generated, then other ids (fresh, so never equal)
+                rendered = np.concatenate([prompt, answer[:kept], _fresh(rng, len(answer) - kept)])
+                generated = len(prompt) + kept
             self.turns.append(prepared)
 
     def common_prefix(self, conv: int, older: int, newer: int, with_answer: bool = False) -> int:
         """Tokens prompt ``newer`` shares with prompt ``older`` of one conversation (ids are never reused), or
-        with prompt ``older`` and its answer (``with_answer``)."""
+        with prompt ``older`` and its answer as the next prompt renders it (``with_answer``: a pre-warmed
+        history)."""
         turns = self.turns[conv]
         common = turns[older].handle_tokens + 1 if with_answer else turns[older].prompt_tokens
         for k in range(older + 1, newer + 1):
-            common = min(common, turns[k].shared)
+            common = min(common, turns[k].rendered_shared)
         return common
 
 
@@ -126,11 +158,23 @@ def _fresh(rng: np.random.Generator, n: int) -> npt.NDArray[np.uint32]:
 
 @dataclass(frozen=True)
 class Placement:
-    """The router's placement settings (module docstring, item 6)."""
+    """The router's placement settings (module docstring, item 6). ``homes``: with affinity, conversation ``i``'s
+    prefill worker is ``homes[i]`` (a router's measured homes); empty: ``i`` modulo the workers. ``round_robin``:
+    without affinity, workers in turn by arrival (else at random)."""
 
     affinity: bool = False
     prewarm: bool = False
     decode_local_tokens: int = 0
+    round_robin: bool = False
+    homes: tuple[int, ...] = ()
+
+    def worker(self, conv: int, arrival_index: int, workers: int, route: np.random.Generator) -> int:
+        """The prefill worker conversation ``conv``'s turn goes to (the ``arrival_index``-th turn of the run)."""
+        if self.affinity:
+            return self.homes[conv] if self.homes else conv % workers
+        if self.round_robin:
+            return arrival_index % workers
+        return int(route.integers(workers))
 
 
 NO_PLACEMENT = Placement()  # random routing, no pre-warming, no decode-local turns
@@ -219,7 +263,7 @@ def _handle(turn: _Prepared, block_size: int, end: float, ttl_s: float, conv: in
 def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = 480.0,
              threshold: Threshold = 64, expiry_margin_s: float = 5.0, prefill_workers: int = 1,
              queue: bool = False, seed: int = 0, layered: bool = False,
-             placement: Placement = NO_PLACEMENT) -> ModeRun:
+             placement: Placement = NO_PLACEMENT, one_at_a_time: bool = False) -> ModeRun:
     """Replay ``prepared`` in one mode and setting (see the module docstring)."""
     if mode not in MODES:
         raise PlannerError(f"mode must be one of {MODES}, got {mode!r}")
@@ -227,6 +271,10 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         raise PlannerError("pre-warming needs affinity (the next turn's worker is known) and a local cache mode")
     if not (math.isfinite(ttl_s) and ttl_s >= 0) or prefill_workers < 1:
         raise PlannerError(f"need a finite TTL >= 0 and prefill_workers >= 1, got {ttl_s!r}, {prefill_workers!r}")
+    if placement.homes and (len(placement.homes) < len(prepared.turns)
+                            or not all(0 <= h < prefill_workers for h in placement.homes)):
+        raise PlannerError(f"homes {placement.homes} must name a worker in [0, {prefill_workers}) for each of the "
+                           f"{len(prepared.turns)} conversations")
     if prepared.block_size != profile.block_size:
         raise PlannerError(f"trace prepared for block size {prepared.block_size}, profile has {profile.block_size}")
     reverse, local = mode.startswith("reverse_read"), mode.endswith("local_cache")
@@ -237,17 +285,21 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
     free_at = [0.0] * prefill_workers
     ends: dict[int, float] = {}
     run = ModeRun(mode, ttl_s, threshold)
-    events = [(turns[0].gap_s, conv, 0) for conv, turns in enumerate(prepared.turns) if turns]
+    serial = _serial_order(prepared) if one_at_a_time else []
+    events = [] if one_at_a_time else [(turns[0].gap_s, conv, 0) for conv, turns in enumerate(prepared.turns) if turns]
     heapq.heapify(events)
-    while events:
-        arrival, conv, k = heapq.heappop(events)
+    client_free = 0.0  # one_at_a_time: when the client's previous request ended
+    while events or serial:
+        if one_at_a_time:
+            conv, k = serial.pop(0)
+            ready = ends[conv] + prepared.turns[conv][k].gap_s if k else prepared.turns[conv][0].gap_s
+            arrival = max(client_free, ready)
+        else:
+            arrival, conv, k = heapq.heappop(events)
         turns = prepared.turns[conv]
         turn = turns[k]
-        if prefill_workers == 1:
-            worker = 0
-        else:
-            worker = conv % prefill_workers if placement.affinity else int(route.integers(prefill_workers))
-        on_decode = reverse and k > 0 and _decode_local(turns, k, placement, ends[conv] + ttl_s > arrival, bs)
+        worker = placement.worker(conv, len(run.ttft), prefill_workers, route) if prefill_workers > 1 else 0
+        on_decode = reverse and k > 0 and _decode_local(turns, k, placement, ends[conv] + ttl_s > arrival)
         local_tokens = caches[worker].hit(prepared, conv, k) if local and k and not on_decode else 0
         fetched, blocks, reason = 0, 0, "first_turn" if k == 0 else "off"
         pipelined = False
@@ -278,7 +330,7 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         ttft = start - arrival + service
         dec = profile.decode_s(turn.output_tokens)
         end = arrival + ttft + dec
-        ends[conv] = end
+        ends[conv] = client_free = end
         if local and not on_decode:
             caches[worker].store(conv, k, turn.prompt_tokens)
         if local and placement.prewarm and k + 1 < len(turns) and \
@@ -288,7 +340,7 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         if reverse and turn.handle_tokens > 0:
             hold = min(ttl_s, turns[k + 1].gap_s) if k + 1 < len(turns) else ttl_s
             run.retained.append((end, end + hold, profile.block_bytes(-(-turn.handle_tokens // bs))))
-        if k + 1 < len(turns):
+        if k + 1 < len(turns) and not one_at_a_time:
             heapq.heappush(events, (end + turns[k + 1].gap_s, conv, k + 1))
         run.prompt.append(turn.prompt_tokens)
         run.later.append(k > 0)
@@ -303,17 +355,24 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
     return run
 
 
+def _serial_order(prepared: PreparedTrace) -> list[tuple[int, int]]:
+    """``(conversation, turn)`` round by round: every conversation's first turn, then every second turn, ..."""
+    rounds = max((len(t) for t in prepared.turns), default=0)
+    return [(conv, k) for k in range(rounds) for conv, turns in enumerate(prepared.turns) if k < len(turns)]
+
+
 def _decode_reuse(turns: list[_Prepared], k: int, block_size: int) -> int:
     """Tokens of turn ``k``'s prompt the decode reuses from what it retained after turn ``k - 1``."""
     reuse = min(turns[k].shared, turns[k - 1].handle_tokens, turns[k].prompt_tokens - 1)
     return max(reuse, 0) // block_size * block_size
 
 
-def _decode_local(turns: list[_Prepared], k: int, placement: Placement, live: bool, block_size: int) -> bool:
-    """Whether the router sends turn ``k`` to its decode (its handle still live and little left to compute)."""
+def _decode_local(turns: list[_Prepared], k: int, placement: Placement, live: bool) -> bool:
+    """Whether the router sends turn ``k`` to its decode (its handle still live and few new tokens: the router
+    estimates the new messages, it does not tokenize, so it cannot tell what the decode's cache will match)."""
     if not placement.decode_local_tokens or not live or turns[k - 1].handle_tokens <= 0:
         return False
-    return turns[k].prompt_tokens - _decode_reuse(turns, k, block_size) <= placement.decode_local_tokens
+    return turns[k].new_tokens <= placement.decode_local_tokens
 
 
 def retained_stats(intervals: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
