@@ -8,6 +8,7 @@ handed out while a copy of it is pending. The bytes are compared with the owner'
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import pytest
 from conftest import POISON, Geo, make_cache
 from kvshuttle.errors import BackendError, BlockIdError
 from kvshuttle.transfer.chunk_slots import ChunkSlots
-from kvshuttle.transfer.executors import Finished, HostExecutor, executor_for
+from kvshuttle.transfer.executors import CudaExecutor, Finished, HostExecutor, executor_for
 from late_copies import LateExecutor
 from transfer_helpers import block_bytes, token_bytes
 
@@ -169,6 +170,12 @@ def test_host_executor_reports_time_and_errors_through_the_completion() -> None:
     with pytest.raises(BlockIdError):
         bad.result()
     assert isinstance(executor_for(cache), HostExecutor)
+
+
+def test_the_cuda_executor_without_cupy_is_a_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    with pytest.raises(BackendError, match="cupy"):
+        CudaExecutor("cuda:0")
 
 
 # ------------------------------------------------------------------------------------ real pipelines
