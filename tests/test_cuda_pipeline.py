@@ -184,3 +184,21 @@ def test_packed_vram_read_is_byte_exact(vram_pair: dict[str, Any]) -> None:
     others = np.setdiff1d(np.arange(target.geo.num_blocks), lids)
     assert (block_bytes(target, others) == POISON).all(), "a block outside the read was written"
     assert reader.stats()["staging_free"] == CONFIG["staging_chunks"]
+
+
+def test_bench_transfer_cuda_runs_and_verifies(cupy_dev: CupyDevice) -> None:
+    """The VRAM benchmark's plumbing at a tiny size: every method's bytes verified (numbers not asserted)."""
+    import argparse
+
+    from kvshuttle.bench import transfer as bench
+    from kvshuttle.bench import transfer_cuda
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--device", "cuda", "--shape", "qwen3-32b-tp8", "--layers", "1", "--blocks", "8",
+                              "--spare-blocks", "8", "--repeat", "1", "--chunk-mib", "1"])
+    result = bench.run(args)
+    assert [r["pattern"] for r in result["results"]] == ["scattered", "contiguous"]
+    for row in result["results"]:
+        assert row["verified"] == dict.fromkeys(transfer_cuda.METHODS, True)
+    assert "VRAM to VRAM" in result["note"] and "packed_vs_one_read" in bench.format_table(result)
