@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before Python 3.11
 from typing import Any, Protocol
 
 import numpy as np
@@ -81,7 +82,7 @@ class FutureCompletion:
     def wait(self, timeout: float) -> bool:
         try:
             self._future.exception(timeout=timeout)
-        except TimeoutError:
+        except FutureTimeout:
             return False
         return True
 
