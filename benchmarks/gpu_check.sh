@@ -29,8 +29,11 @@ fi
 export PYTHONPATH=$site
 
 step "build (CUDA, sm_90)"
+# pybind11's CMake files from the importable pybind11 (the carried 3.x), not whatever the image has installed.
+pybind11_dir=$(python3 -c "import pybind11; print(pybind11.get_cmake_dir())")
 CUDAARCHS=${CUDAARCHS:-90} KVSHUTTLE_CUDA=ON timeout 300 python3 -m pip install -q --no-build-isolation --no-deps \
-  --no-compile --target "$site" . > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; echo "BUILD FAILED"; exit 1; }
+  --no-compile --target "$site" -C "cmake.define.pybind11_DIR=$pybind11_dir" . > "$out/build.log" 2>&1 \
+  || { tail -30 "$out/build.log"; echo "BUILD FAILED"; exit 1; }
 python3 -m kvshuttle.cli info | tee "$out/info.json"
 
 step "tests"

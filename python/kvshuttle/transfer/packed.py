@@ -273,12 +273,16 @@ class _Pipeline:
             layout=s.layout, head_offset=s.local_head_offset), hold=False)
 
     def _reap(self, slots: ChunkSlots) -> None:
-        for done in slots.reap():
+        failed = None
+        for done in slots.reap():  # count every chunk that landed before reporting one that did not
             if done.error is not None:
-                raise done.error  # reported as this transfer's failure; the chunk stays invalid
+                failed = failed or done.error
+                continue
             self._unpack_time += done.seconds
             with self._done_lock:
                 self._done_chunks.add(done.chunk)
+        if failed is not None:
+            raise failed  # this transfer's failure; the chunk stays invalid
 
     def _cleanup(self, conn: Connection, slots: ChunkSlots, send_abort: bool, healthy: bool) -> None:
         for done in slots.settle(max(1.0, self._s.deadline - time.monotonic())):  # unpacks are short
