@@ -116,6 +116,7 @@ def test_settle_waits_for_running_copies_and_keeps_slots_still_written() -> None
         slots.start(chunk, slot, copy, hold=hold)
     held.finish()
     slots.reap()
+    assert {id(c) for c in slots.running()} == {id(late), id(stuck)}  # the held chunk's copy is over
     threading.Timer(0.05, late.finish).start()
     start = time.monotonic()
     done = slots.settle(0.3)

@@ -115,14 +115,18 @@ class ChunkSlots:
         """When the longest-held chunk was offered (monotonic), or None."""
         return min((since for _, since in self._held.values()), default=None)
 
+    def running(self) -> list[Completion]:
+        """The completions of the copies still running (to wait for without holding a caller's lock)."""
+        return [copy.completion for copy in self._copying.values()]
+
     def settle(self, timeout: float) -> list[CopyDone]:
         """Wait (up to ``timeout`` in all) for every running copy; then every slot counts as idle again.
 
         Returns the copies that finished. A copy still running after ``timeout`` keeps its slot out of
         :attr:`reusable` (that staging may still be written)."""
         deadline = time.monotonic() + timeout
-        for copy in list(self._copying.values()):
-            copy.completion.wait(max(0.0, deadline - time.monotonic()))
+        for completion in self.running():
+            completion.wait(max(0.0, deadline - time.monotonic()))
         finished = self.reap()
         for slot, _ in self._held.values():
             self._idle.append(slot)

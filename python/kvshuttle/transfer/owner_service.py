@@ -168,8 +168,13 @@ class PackJob:
                 emitter.send(self.identity, {"op": "error", "tid": self.tid, "kind": "pack",
                                              "message": f"{type(exc).__name__}: {exc}"})
         finally:
-            with self._cond:  # no slot goes back while a pack may still write it
-                self._slots.settle(self.service.lease_s)
+            with self._cond:
+                running = self._slots.running()
+            deadline = time.monotonic() + self.service.lease_s
+            for completion in running:  # no slot goes back while a pack may still write it; waited for without
+                completion.wait(max(0.0, deadline - time.monotonic()))  # the lock the side channel's thread takes
+            with self._cond:
+                self._slots.settle(0.0)
                 reusable = self._slots.reusable
             if len(reusable) < len(self.slots):
                 log.error("kvshuttle: %d staging slots of %s kept: their pack did not finish",
