@@ -93,6 +93,11 @@ void register_types(py::module_& m) {
       .def_readonly("cuda", &BuildInfo::cuda)
       .def_readonly("cuda_archs", &BuildInfo::cuda_archs)
       .def_readonly("cuda_runtime_version", &BuildInfo::cuda_runtime_version);
+  py::class_<CudaLaunchStats>(m, "CudaLaunchStats")
+      .def_readonly("launches", &CudaLaunchStats::launches)
+      .def_readonly("device_allocations", &CudaLaunchStats::device_allocations)
+      .def_readonly("host_allocations", &CudaLaunchStats::host_allocations)
+      .def_readonly("reuse_waits", &CudaLaunchStats::reuse_waits);
 }
 
 void register_copies(py::module_& m) {
@@ -118,6 +123,7 @@ void register_copies(py::module_& m) {
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("build_info", &build_info);
   m.def("cuda_device_count", &cuda_device_count);
+  m.def("cuda_launch_stats", &cuda_launch_stats);
 }
 }  // namespace
 

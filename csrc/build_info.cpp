@@ -29,6 +29,7 @@ void paged_copy_cuda(const PagedCopySpec&, const uint64_t*, int64_t, const int64
   throw BackendError("kvshuttle was built without CUDA (set KVSHUTTLE_CUDA=ON and reinstall)");
 }
 int cuda_device_count() { return 0; }
+CudaLaunchStats cuda_launch_stats() { return {}; }
 #endif
 
 }  // namespace kvshuttle

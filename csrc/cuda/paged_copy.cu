@@ -5,12 +5,15 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <exception>
+#include <array>
+#include <atomic>
+#include <mutex>
 #include <string>
-#include <vector>
 
+#include "cuda_check.h"
 #include "kvshuttle/cuda_copy.h"
 #include "kvshuttle/errors.h"
+#include "upload_ring.h"
 
 // Tuning knobs (compile-time): vectors in flight per lane, and streaming cache hints for one-touch data.
 #ifndef KVSHUTTLE_CUDA_UNROLL
@@ -22,13 +25,6 @@
 
 namespace kvshuttle {
 namespace {
-
-void cuda_check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw CudaError(std::string("kvshuttle CUDA error in ") + what + ": " + cudaGetErrorString(err) +
-                    " (check the device and that the arrays live on it; a sticky error needs a new process)");
-  }
-}
 
 // 32-bit geometry for the index math in the kernel (every per-piece quantity fits).
 struct KernelGeometry {
@@ -127,18 +123,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Streaming multiprocessors of the current device, read once per device (an attribute query per call costs
+// more than a small launch).
+int multiprocessors() {
+  static std::array<std::atomic<int>, 64> counts{};
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  std::atomic<int>& count = counts[static_cast<size_t>(device) % counts.size()];
+  int sms = device < static_cast<int>(counts.size()) ? count.load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
+    cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    if (device < static_cast<int>(counts.size())) count.store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
 // Blocks that fit on the whole GPU at once for this kernel: the grid-stride loop does the rest.
 template <typename Kernel>
 uint32_t one_wave_of_blocks(Kernel kernel) {
-  int device = 0, sms = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  static int blocks_per_sm = 0;  // per kernel instantiation; depends only on the architecture
-  if (blocks_per_sm == 0) {
-    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0),
+  static std::atomic<int> blocks_per_sm{0};  // per kernel instantiation; depends only on the architecture
+  int per_sm = blocks_per_sm.load(std::memory_order_relaxed);
+  if (per_sm == 0) {
+    cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    blocks_per_sm.store(std::max(1, per_sm), std::memory_order_relaxed);
   }
-  return static_cast<uint32_t>(sms * std::max(1, blocks_per_sm));
+  return static_cast<uint32_t>(multiprocessors() * std::max(1, per_sm));
 }
 
 template <typename Vec, bool kPack, bool kFlat>
@@ -182,35 +192,10 @@ int widest_vector(const PagedCopySpec& s, const uint64_t* bases) {
   return 1;
 }
 
-}  // namespace
-
-void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
-                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction,
-                     uint64_t stream_handle) {
-  check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
-  const int64_t items = num_ids * spec.num_planes();
-  if (items == 0) return;
-  if (items > INT32_MAX || spec.num_tokens > INT32_MAX || spec.num_blocks > INT32_MAX) {
-    throw LayoutError("kvshuttle CUDA paged copy: more than 2^31 pieces, tokens or blocks; split the copy "
-                      "into calls of fewer blocks");
-  }
-  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  const int64_t planes = spec.num_planes();
-
-  // Plane table and block ids travel to the device in one stream-ordered scratch allocation.
-  std::vector<char> host(planes * sizeof(uint64_t) + num_ids * sizeof(int32_t));
-  std::copy(plane_bases, plane_bases + planes, reinterpret_cast<uint64_t*>(host.data()));
-  auto* host_ids = reinterpret_cast<int32_t*>(host.data() + planes * sizeof(uint64_t));
-  for (int64_t i = 0; i < num_ids; ++i) host_ids[i] = static_cast<int32_t>(ids[i]);
-  void* scratch = nullptr;
-  cuda_check(cudaMallocAsync(&scratch, host.size(), stream), "cudaMallocAsync");
-  cudaError_t err = cudaMemcpyAsync(scratch, host.data(), host.size(), cudaMemcpyHostToDevice, stream);
-  const auto* dev_bases = static_cast<const uint64_t*>(scratch);
-  const auto* dev_ids = reinterpret_cast<const int32_t*>(static_cast<char*>(scratch) + planes * sizeof(uint64_t));
-
+KernelGeometry kernel_geometry(const PagedCopySpec& spec, const uint64_t* plane_bases) {
   const int width = widest_vector(spec, plane_bases);
   KernelGeometry g{};
-  g.planes = static_cast<uint32_t>(planes);
+  g.planes = static_cast<uint32_t>(spec.num_planes());
   g.block_size = static_cast<uint32_t>(spec.block_size);
   g.num_heads = static_cast<uint32_t>(spec.num_heads);
   g.head_offset = static_cast<uint32_t>(spec.head_offset);
@@ -227,27 +212,54 @@ void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
   g.piece_bytes = static_cast<uint64_t>(spec.staging_piece_bytes());
   g.row_bytes = static_cast<uint64_t>(spec.row_bytes);
   g.staging = reinterpret_cast<char*>(spec.staging_addr);
+  return g;
+}
+
+}  // namespace
+
+void paged_copy_cuda(const PagedCopySpec& spec, const uint64_t* plane_bases,
+                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction,
+                     uint64_t stream_handle) {
+  check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
+  const int64_t items = num_ids * spec.num_planes();
+  if (items == 0) return;
+  if (items > INT32_MAX || spec.num_tokens > INT32_MAX || spec.num_blocks > INT32_MAX) {
+    throw LayoutError("kvshuttle CUDA paged copy: more than 2^31 pieces, tokens or blocks; split the copy "
+                      "into calls of fewer blocks");
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  const int64_t planes = spec.num_planes();
+  const KernelGeometry g = kernel_geometry(spec, plane_bases);
+  const int width = widest_vector(spec, plane_bases);
   // A partial last block is contiguous only in NHD order.
   const bool flat = spec.is_flat() &&
                     (spec.staging_order == TokenOrder::NHD || spec.num_tokens % spec.block_size == 0);
 
-  std::exception_ptr failure;  // rethrown after the scratch is freed, with its type (a CudaError)
-  if (err == cudaSuccess) {
-    try {
-      if (direction == Direction::Pack) {
-        launch_widest<true>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
-      } else {
-        launch_widest<false>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
-      }
-      err = cudaGetLastError();
-    } catch (...) {
-      failure = std::current_exception();
+  // Plane table and block ids go through a pinned upload slot: no allocation and no pageable copy per call.
+  const size_t table_bytes = planes * sizeof(uint64_t) + num_ids * sizeof(int32_t);
+  UploadRing& ring = upload_ring_for_current_device();
+  std::lock_guard<std::mutex> guard(ring.lock());
+  UploadSlot& slot = ring.acquire(table_bytes);
+  std::copy(plane_bases, plane_bases + planes, reinterpret_cast<uint64_t*>(slot.host));
+  auto* host_ids = reinterpret_cast<int32_t*>(slot.host + planes * sizeof(uint64_t));
+  for (int64_t i = 0; i < num_ids; ++i) host_ids[i] = static_cast<int32_t>(ids[i]);
+  ring.upload(slot, table_bytes, stream);
+  const auto* dev_bases = reinterpret_cast<const uint64_t*>(slot.device);
+  const auto* dev_ids = reinterpret_cast<const int32_t*>(slot.device + planes * sizeof(uint64_t));
+  cudaError_t err = cudaSuccess;
+  try {
+    if (direction == Direction::Pack) {
+      launch_widest<true>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
+    } else {
+      launch_widest<false>(width, g, flat, static_cast<uint32_t>(items), dev_bases, dev_ids, stream);
     }
+    err = cudaGetLastError();
+  } catch (...) {
+    ring.retire(slot, stream);  // the upload was enqueued: the slot waits for it either way
+    throw;
   }
-  const cudaError_t free_err = cudaFreeAsync(scratch, stream);  // stream-ordered: after the kernel
-  if (failure) std::rethrow_exception(failure);
+  ring.retire(slot, stream);
   cuda_check(err, "paged copy launch");
-  cuda_check(free_err, "cudaFreeAsync");
 }
 
 int cuda_device_count() {

@@ -90,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=9, help="timed rounds (methods interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-verify", action="store_true", help="skip the byte check of each method")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: caches and staging in VRAM (cupy), packed vs direct vs one contiguous read")
 
 
 def _layers(shape: Shape, layers: int, blocks: int, seed: int) -> list[npt.NDArray[Any]]:
@@ -265,6 +267,10 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x pattern x chunk size x depth; returns the :mod:`~kvshuttle.bench.schema` envelope."""
+    if getattr(args, "device", "cpu") == "cuda":
+        from . import transfer_cuda
+
+        return transfer_cuda.run(args, add_arguments)
     started = time.perf_counter()
     try:
         names, chunks = _names(str(args.shape)), _floats(str(args.chunk_mib))
@@ -287,6 +293,10 @@ def _cell(r: dict[str, Any], name: str) -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
+    if any(r.get("device") == "cuda" for r in result["results"]):
+        from . import transfer_cuda
+
+        return transfer_cuda.format_table(result)
     lines = [result["note"], f"{'shape':15} {'pattern':11} {'chunk':>9} {'MiB':>5} " + " ".join(
         f"{m:>14}" for m in (*METHODS, "memcpy")) + "  " + "  ".join(f"{p:<17}" for p in PAIRS)]
     for r in result["results"]:

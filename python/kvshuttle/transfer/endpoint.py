@@ -14,10 +14,12 @@ import zmq
 
 from ..core.layout import PagedKVCache
 from ..core.plan import SideGeometry
+from ..errors import BackendError
 from ..trust import DeploymentSecret
 from ._nixl import NixlAgent, NixlCallError, NixlDescList, NixlRegistration, mem_type_of
 from .config import EngineConfig
 from .errors import TransferArgumentError, TransferError
+from .executors import CopyExecutor, HostExecutor, executor_for, import_cupy
 from .staging import StagingPool
 from .transfer_handle import TransferHandle, TransferState
 
@@ -29,12 +31,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def device_staging(device: str, nbytes: int) -> Any:
+    """A zeroed VRAM buffer of ``nbytes`` on ``device`` (cupy), or None (logged) when cupy is missing."""
+    try:
+        cupy = import_cupy()
+    except BackendError as exc:
+        log.info("kvshuttle: %s", exc)
+        return None
+    with cupy.cuda.Device(int(device.partition(":")[2] or 0)):
+        buffer = cupy.zeros(max(1, nbytes), dtype=cupy.uint8)
+        cupy.cuda.get_current_stream().synchronize()  # zeroed before any other stream packs into it
+    return buffer
+
+
 class Endpoint:
     """One worker's NIXL agent with its paged cache and staging pool registered; the base of both roles."""
 
     def __init__(self, cache: PagedKVCache, config: EngineConfig | None = None, *, staging: Any = None) -> None:
-        """Create the agent and register ``cache`` and the staging pool (``staging``: an optional host buffer
-        of ``staging_chunks * staging_chunk_bytes`` bytes to use instead of a new numpy allocation)."""
+        """Create the agent and register ``cache`` and the staging pool (``staging``: an optional buffer on the
+        cache's device of ``staging_chunks * staging_chunk_bytes`` bytes to use instead of a new numpy, or for
+        CUDA caches cupy, allocation)."""
         if not isinstance(cache, PagedKVCache):
             raise TransferArgumentError("pass a PagedKVCache (PagedKVCache.from_arrays(layers, kind))")
         if config is not None and not isinstance(config, EngineConfig):
@@ -48,11 +64,24 @@ class Endpoint:
         self.cache = cache
         self.mem_type, self.device_id = mem_type_of(cache.geometry.device)
         self.side = SideGeometry.from_cache(cache, self.device_id)
-        # CUDA pack/unpack are asynchronous and the native module has no stream-sync binding yet, so a
-        # chunk could be announced or reused before its copy ran: device caches use the direct path only.
-        slots = 0 if cache.is_cuda else config.staging_chunks
+        # CUDA caches stage in VRAM (cupy) and copy on streams with events (executors.py); without cupy they
+        # read direct only.
+        slots = config.staging_chunks
+        if cache.is_cuda and staging is None and slots:
+            staging = device_staging(cache.geometry.device, config.staging_chunk_bytes * slots)
+            slots = slots if staging is not None else 0
         self.pool = StagingPool(config.staging_chunk_bytes, slots, staging if slots else None)
+        if self.pool.slots and self.pool.view.device != cache.geometry.device:
+            raise TransferArgumentError(f"staging is on {self.pool.view.device} but the cache is on "
+                                        f"{cache.geometry.device}: pass staging on the cache's device")
         self.pool_mem, self.pool_device = mem_type_of(self.pool.view.device)
+        # Packs (owner) run on the calling job thread or a CUDA stream; unpacks (reader) on the unpack thread or
+        # another stream: the pipeline's bookkeeping is the same for both (chunk_slots.py).
+        self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-unpack")
+        self.packs: CopyExecutor = HostExecutor()
+        self.unpacks: CopyExecutor = HostExecutor(self._unpacker)
+        if cache.is_cuda and self.pool.slots:
+            self.packs, self.unpacks = executor_for(cache), executor_for(cache)
         self._agent = NixlAgent(config.name, config.backends, num_threads=config.num_threads,
                                 progress_delay_us=config.progress_delay_us)
         self._registrations: list[NixlRegistration] = []
@@ -61,7 +90,6 @@ class Endpoint:
         self._peers_lock = threading.RLock()  # readers on several threads connect and forget peers
         self._active: weakref.WeakSet[TransferHandle] = weakref.WeakSet()
         self._zmq: zmq.Context[Any] = zmq.Context()
-        self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-unpack")
         self._server: SideChannelServer | None = None
         self._owner: OwnerService | None = None
         self._closed = False

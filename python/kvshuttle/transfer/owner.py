@@ -44,7 +44,8 @@ class OwnerRole(Endpoint):
             info = PeerInfo(self.name, metadata, self.side, self.cache.geometry, self.mem_type, staging)
             self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
                                        self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims,
-                                       secret=self.secret, max_jobs=self.config.max_jobs_per_peer)
+                                       secret=self.secret, max_jobs=self.config.max_jobs_per_peer,
+                                       executor=self.packs)
             try:
                 self._server = SideChannelServer(self._zmq, self.config.host, self.config.port, self._owner.answer,
                                                  secret=self.secret, advertise_host=advertised,

@@ -7,7 +7,8 @@ unguessable capability that only ever travelled, encrypted, to the peer that cla
 staging slot, and one connection may hold at most ``max_jobs`` packs in progress.
 
 A ``pack`` request starts a :class:`PackJob` thread. The job packs chunk after chunk into the staging
-slots it reserved, announces each (``ready``) and reuses a slot when the reader ``release``\\ s it, so the
+slots it reserved (on the host, or on a CUDA stream: ``executors.py``), announces each (``ready``) once its pack
+completed and reuses a slot when the reader ``release``\\ s it (``chunk_slots.py``), so the
 owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on
 ``abort``, or when a ready chunk is not released within the staging lease (the reader died); its slots
 always go back to the pool.
@@ -18,19 +19,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..core import ops
 from ..core.blocks import as_ids, blocks_hold_tokens, check_ids
 from ..core.layout import PagedKVCache
 from ..errors import BlockIdError, KVShuttleError, LayoutError
 from ..trust import DeploymentSecret
 from .board import HandleBoard, serve_take
+from .chunk_slots import ChunkSlots
 from .claims import ClaimAuthority, ClaimRefusedError, serve_claim
 from .errors import ProtocolError, StagingExhaustedError
+from .executors import CopyExecutor, HostExecutor
 from .side_channel import SideChannelServer
-from .staging import StagingPool, layout_from_wire, plan_chunks
+from .staging import Chunk, StagingPool, layout_from_wire, plan_chunks
 from .wire import PROTOCOL_VERSION, PeerInfo, field
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,12 @@ def _validate(cache: PagedKVCache, slot_bytes: int, request: dict[str, Any]) -> 
 
 
 class PackJob:
-    """Packs one reader's request chunk by chunk into reserved staging slots (runs on its own thread)."""
+    """Packs one reader's request chunk by chunk into reserved staging slots (runs on its own thread).
+
+    Each pack is submitted to the service's executor (host: done at once; CUDA: enqueued on its stream), and
+    a chunk is announced only once its pack completed; its slot is held until the reader releases the chunk
+    (``ChunkSlots``), so packing chunk i+1 overlaps the reader's READ of chunk i.
+    """
 
     def __init__(self, service: OwnerService, identity: bytes, tid: str, request: dict[str, Any],
                  slots: list[int]) -> None:
@@ -73,17 +81,14 @@ class PackJob:
         self.chunks = plan_chunks(self.num_tokens, int(request["chunk_tokens"]), g.block_size, g.block_size,
                                   self.layout, g.num_planes, g.row_bytes)
         self.slots = slots
-        self._free = list(slots)
-        self._outstanding: dict[int, tuple[int, float]] = {}  # chunk -> (slot, time announced)
+        self._slots = ChunkSlots(slots)  # guarded by _cond: the side channel's thread releases chunks
         self._cond = threading.Condition()
         self._aborted = False
         self.thread = threading.Thread(target=self._run, name=f"kvshuttle-pack-{tid}", daemon=True)
 
     def release(self, chunk: int) -> None:
         with self._cond:
-            got = self._outstanding.pop(chunk, None)
-            if got is not None:
-                self._free.append(got[0])
+            if self._slots.release(chunk):
                 self._cond.notify_all()
 
     def abort(self) -> None:
@@ -92,46 +97,70 @@ class PackJob:
             self._cond.notify_all()
 
     def _lease_expired(self) -> bool:
-        lease = self.service.lease_s
-        now = time.monotonic()
-        return any(now - announced > lease for _, announced in self._outstanding.values())
+        oldest = self._slots.oldest_hold()
+        return oldest is not None and time.monotonic() - oldest > self.service.lease_s
 
-    def _take_slot(self) -> int | None:
+    def _wait_for_release(self) -> None:
+        """Every slot is held by the reader: wait for a release (or the lease, or an abort)."""
         with self._cond:
-            while not self._free and not self._aborted:
-                if self._lease_expired():
-                    log.warning("kvshuttle: reader of %s did not release staging within %.1f s; reclaiming",
-                                self.tid, self.service.lease_s)
-                    self._aborted = True
-                    break
-                self._cond.wait(0.1)
-            return None if self._aborted else self._free.pop()
+            if self._slots.idle or self._aborted:
+                return
+            if self._lease_expired():
+                log.warning("kvshuttle: reader of %s did not release staging within %.1f s; reclaiming",
+                            self.tid, self.service.lease_s)
+                self._aborted = True
+                return
+            self._cond.wait(0.1)
 
     def _drain(self) -> None:
         with self._cond:
-            while self._outstanding and not self._aborted and not self._lease_expired():
+            while self._slots.held and not self._aborted and not self._lease_expired():
                 self._cond.wait(0.1)
+
+    def _submit(self, slot: int, chunk: Chunk) -> None:
+        pool, cache = self.service.pool, self.service.cache
+        try:
+            completion = self.service.executor.pack(
+                cache, self.ids[chunk.remote], pool.array(slot, chunk.nbytes), num_tokens=chunk.num_tokens,
+                layout=self.layout, head_offset=self.head_offset)
+        except BaseException:
+            with self._cond:
+                self._slots.give_back(slot)
+            raise
+        with self._cond:
+            self._slots.start(chunk.index, slot, completion, hold=True)
+        if self.service.pack_delay_s:
+            time.sleep(self.service.pack_delay_s)
 
     def _run(self) -> None:
         emitter = self.service.server.emitter() if self.service.server else None
-        pool, cache = self.service.pool, self.service.cache
+        pool = self.service.pool
+        waiting = deque(self.chunks)
         try:
-            for chunk in self.chunks:
-                slot = self._take_slot()
-                if slot is None:
-                    return
-                staging = pool.array(slot, chunk.nbytes)
-                packed_at = time.perf_counter()
-                ops.pack(cache, self.ids[chunk.remote], staging, num_tokens=chunk.num_tokens,
-                         layout=self.layout, head_offset=self.head_offset)
-                if self.service.pack_delay_s:
-                    time.sleep(self.service.pack_delay_s)
+            while True:
                 with self._cond:
-                    self._outstanding[chunk.index] = (slot, time.monotonic())
-                if emitter is not None:
-                    emitter.send(self.identity, {"op": "ready", "tid": self.tid, "chunk": chunk.index,
-                                                 "addr": pool.address(slot), "nbytes": chunk.nbytes,
-                                                 "pack_s": time.perf_counter() - packed_at})
+                    if self._aborted:
+                        return
+                    packed = self._slots.reap()
+                    slot = self._slots.take() if waiting else None
+                    if not waiting and not self._slots.copying and not packed:
+                        break
+                for done in packed:  # offered only now: the pack's completion is done
+                    if done.error is not None:
+                        raise done.error
+                    if emitter is not None:
+                        emitter.send(self.identity, {"op": "ready", "tid": self.tid, "chunk": done.chunk,
+                                                     "addr": pool.address(done.slot),
+                                                     "nbytes": self.chunks[done.chunk].nbytes,
+                                                     "pack_s": done.seconds})
+                if slot is not None:
+                    self._submit(slot, waiting.popleft())
+                elif packed:
+                    continue
+                elif self._slots.copying:
+                    self._slots.wait_any(0.05)
+                elif waiting:
+                    self._wait_for_release()
             self._drain()
         except Exception as exc:
             log.exception("kvshuttle: packing %s failed", self.tid)
@@ -139,7 +168,18 @@ class PackJob:
                 emitter.send(self.identity, {"op": "error", "tid": self.tid, "kind": "pack",
                                              "message": f"{type(exc).__name__}: {exc}"})
         finally:
-            pool.release(self.slots)
+            with self._cond:
+                running = self._slots.running()
+            deadline = time.monotonic() + self.service.lease_s
+            for completion in running:  # no slot goes back while a pack may still write it; waited for without
+                completion.wait(max(0.0, deadline - time.monotonic()))  # the lock the side channel's thread takes
+            with self._cond:
+                self._slots.settle(0.0)
+                reusable = self._slots.reusable
+            if len(reusable) < len(self.slots):
+                log.error("kvshuttle: %d staging slots of %s kept: their pack did not finish",
+                          len(self.slots) - len(reusable), self.tid)
+            pool.release(reusable)
             self.service.forget(self.identity, self.tid)
             if emitter is not None:
                 emitter.close()
@@ -150,8 +190,10 @@ class OwnerService:
 
     def __init__(self, cache: PagedKVCache, pool: StagingPool, info: Callable[[], PeerInfo],
                  lease_s: float, pack_delay_s: float = 0.0, depth: int = 2,
-                 claims: ClaimAuthority | None = None, *, secret: DeploymentSecret, max_jobs: int = 8) -> None:
+                 claims: ClaimAuthority | None = None, *, secret: DeploymentSecret, max_jobs: int = 8,
+                 executor: CopyExecutor | None = None) -> None:
         self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
+        self.executor: CopyExecutor = executor or HostExecutor()  # packs: on the host, or a CUDA stream
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
         self.secret, self.max_jobs = secret, max_jobs
         self.board: HandleBoard | None = None  # handles published for a router (see board.py)

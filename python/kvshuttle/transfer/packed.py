@@ -14,7 +14,6 @@ import threading
 import time
 import weakref
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +21,9 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from ..core import ops
 from ..core.layout import PagedKVCache, StagingLayout
 from ._nixl import MemType, NixlAgent, NixlCallError
+from .chunk_slots import ChunkSlots
 from .errors import (
     BlockRangeError,
     PeerLostError,
@@ -35,6 +34,7 @@ from .errors import (
     TransferError,
     TransferTimeoutError,
 )
+from .executors import CopyExecutor
 from .side_channel import Connection, ConnectionLender
 from .staging import Chunk, StagingPool, layout_to_wire
 from .transfer_handle import Outcome, TransferHandle, TransferState, TransferTelemetry
@@ -63,7 +63,7 @@ class PackedSetup:
     pool_device: int
     remote_mem: MemType
     remote_device: int
-    unpacker: ThreadPoolExecutor
+    unpacker: CopyExecutor  # the unpack thread (host caches) or a CUDA stream (device caches)
     local_ids: npt.NDArray[np.int64]
     remote_ids: npt.NDArray[np.int64]
     num_tokens: int
@@ -167,22 +167,22 @@ class _Pipeline:
     def _run(self) -> None:
         s = self._s
         conn = self._conn
-        free = list(self._slots)
+        slots = ChunkSlots(self._slots)  # a slot is read into again only once its unpack completed
         ready: deque[dict[str, Any]] = deque()
-        unpacking: dict[int, tuple[Future[float], int]] = {}
         error: TransferError | None = None
         finished, healthy = False, True
         try:
             while True:
                 self._check_stop()
-                self._reap(unpacking, free, block=False)
+                self._reap(slots)
                 if len(self._done_chunks) == len(s.chunks):
                     break
-                if ready and free:
-                    self._read_chunk(conn, ready.popleft(), free.pop(), unpacking)
+                slot = slots.take() if ready else None
+                if slot is not None:
+                    self._read_chunk(conn, ready.popleft(), slot, slots)
                     continue
-                if ready or (unpacking and len(self._done_chunks) + len(unpacking) == len(s.chunks)):
-                    self._reap(unpacking, free, block=True)
+                if ready or (slots.copying and len(self._done_chunks) + slots.copying == len(s.chunks)):
+                    slots.wait_any(0.05)
                     continue
                 # The connection raises PeerLostError as soon as the owner's process is gone or its
                 # heartbeat stops (EngineConfig.peer_timeout_s).
@@ -216,7 +216,7 @@ class _Pipeline:
             error = TransferError(f"packed transfer {self.transfer_id} failed: {type(exc).__name__}: {exc}")
             healthy = False
         finally:
-            self._cleanup(conn, unpacking, free, send_abort=not finished, healthy=healthy)
+            self._cleanup(conn, slots, send_abort=not finished, healthy=healthy)
         if finished:
             self._outcome.finish(TransferState.DONE, telemetry=self._telemetry_record())
         elif error is not None:
@@ -244,8 +244,7 @@ class _Pipeline:
         elif op not in ("packing", "pong"):
             raise ProtocolError(f"unexpected side-channel message {op!r} during a packed read")
 
-    def _read_chunk(self, conn: Connection, msg: dict[str, Any], slot: int,
-                    unpacking: dict[int, tuple[Future[float], int]]) -> None:
+    def _read_chunk(self, conn: Connection, msg: dict[str, Any], slot: int, slots: ChunkSlots) -> None:
         s = self._s
         chunk = s.chunks[int(msg["chunk"])]
         nbytes = int(msg["nbytes"])
@@ -269,43 +268,39 @@ class _Pipeline:
         finally:
             s.agent.release(xfer)
         conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk.index})
-        unpacking[chunk.index] = (s.unpacker.submit(self._unpack, chunk, slot), slot)
+        slots.start(chunk.index, slot, s.unpacker.unpack(
+            s.pool.array(slot, chunk.nbytes), s.cache, s.local_ids[chunk.local], num_tokens=chunk.num_tokens,
+            layout=s.layout, head_offset=s.local_head_offset), hold=False)
 
-    def _unpack(self, chunk: Chunk, slot: int) -> float:
-        s = self._s
-        t0 = time.perf_counter()
-        ops.unpack(s.pool.array(slot, chunk.nbytes), s.cache, s.local_ids[chunk.local],
-                   num_tokens=chunk.num_tokens, layout=s.layout, head_offset=s.local_head_offset)
-        return time.perf_counter() - t0
+    def _reap(self, slots: ChunkSlots) -> None:
+        failed = None
+        for done in slots.reap():  # count every chunk that landed before reporting one that did not
+            if done.error is not None:
+                failed = failed or done.error
+                continue
+            self._unpack_time += done.seconds
+            with self._done_lock:
+                self._done_chunks.add(done.chunk)
+        if failed is not None:
+            raise failed  # this transfer's failure; the chunk stays invalid
 
-    def _reap(self, unpacking: dict[int, tuple[Future[float], int]], free: list[int], block: bool) -> None:
-        if block and unpacking:
-            wait([future for future, _ in unpacking.values()], timeout=0.05, return_when=FIRST_COMPLETED)
-        for index, (future, slot) in list(unpacking.items()):
-            if future.done():
-                self._unpack_time += future.result()
-                del unpacking[index]
-                free.append(slot)
+    def _cleanup(self, conn: Connection, slots: ChunkSlots, send_abort: bool, healthy: bool) -> None:
+        for done in slots.settle(max(1.0, self._s.deadline - time.monotonic())):  # unpacks are short
+            if done.error is None:
+                self._unpack_time += done.seconds
                 with self._done_lock:
-                    self._done_chunks.add(index)
-
-    def _cleanup(self, conn: Connection, unpacking: dict[int, tuple[Future[float], int]], free: list[int],
-                 send_abort: bool, healthy: bool) -> None:
-        for index, (future, slot) in list(unpacking.items()):
-            try:
-                self._unpack_time += future.result()  # an unpack cannot be interrupted; it is short
-                with self._done_lock:
-                    self._done_chunks.add(index)
-            except Exception:
-                pass
-            free.append(slot)
+                    self._done_chunks.add(done.chunk)
         if send_abort:
             try:
                 conn.send({"op": "abort", "tid": self.transfer_id})
             except PeerLostError:
                 healthy = False
         self._s.peer.checkin(conn, healthy)
-        self._s.pool.release(self._slots)
+        kept = set(self._slots) - set(slots.reusable)
+        if kept:  # an unpack that never finished may still read them: never hand them out again
+            log.error("kvshuttle: %d staging slots of %s kept: their unpack did not finish", len(kept),
+                      self.transfer_id)
+        self._s.pool.release([slot for slot in self._slots if slot not in kept])
 
     def _telemetry_record(self) -> TransferTelemetry:
         s = self._s

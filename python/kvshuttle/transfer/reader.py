@@ -329,8 +329,8 @@ class ReaderRole(Endpoint):
             return "direct", "requested" if path == "direct" else "no staging on one side", None
         if not staging:
             raise IncompatiblePeerError(
-                "the packed path needs staging on both sides (staging_chunks > 0 and host caches: CUDA caches "
-                "read direct only for now)" + ("" if difference is None else f"; layouts differ: {difference}"),
+                "the packed path needs staging on both sides (staging_chunks > 0; CUDA caches also need cupy)"
+                + ("" if difference is None else f"; layouts differ: {difference}"),
                 lids)
         if path == "packed":
             return "packed", "requested", None
@@ -388,7 +388,7 @@ class ReaderRole(Endpoint):
             context=self._zmq, address=peer.address, peer=peer, peer_agent=peer.agent_name, agent=self._agent,
             cache=self.cache, pool=self.pool, pool_mem=self.pool_mem, pool_device=self.pool_device,
             remote_mem="VRAM" if staging.mem_type == "VRAM" else "DRAM", remote_device=staging.device_id,
-            unpacker=self._unpacker, local_ids=lids, remote_ids=rids, num_tokens=tokens, layout=layout,
+            unpacker=self.unpacks, local_ids=lids, remote_ids=rids, num_tokens=tokens, layout=layout,
             local_head_offset=local_head_offset, remote_head_offset=remote_head_offset, chunk_tokens=per_chunk,
             chunks=chunks, depth=max(1, self.config.pipeline_depth), notify=notify, deadline=deadline,
             prep_time=time.perf_counter() - started, reason=reason,
