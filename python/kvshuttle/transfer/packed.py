@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ class PackedSetup:
     prep_time: float
     reason: str
     claim_id: str | None = None  # the claim covering remote_ids (owners with a ledger pack only claimed blocks)
+    on_done: Callable[[TransferTelemetry], None] | None = None  # told the telemetry of a read that finished DONE
 
 
 class _Stopped(Exception):
@@ -92,7 +94,7 @@ class PackedTransfer(TransferHandle):
     """
 
     def __init__(self, transfer_id: str, setup: PackedSetup, started: float) -> None:
-        super().__init__(transfer_id, "packed", setup.reason, setup.local_ids)
+        super().__init__(transfer_id, "packed", setup.reason, setup.local_ids, setup.on_done)
         self.started = started
         self._pipeline = _Pipeline(transfer_id, setup, started, self._outcome)
         self._finalizer = weakref.finalize(self, self._pipeline.stop_flag.set)
