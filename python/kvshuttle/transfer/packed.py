@@ -82,6 +82,10 @@ class PackedSetup:
     on_done: Callable[[TransferTelemetry], None] | None = None  # told the telemetry of a read that finished DONE
 
 
+# Back-off between checks of a posted chunk READ (doubling from the first to the most).
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 20e-6, 1e-3
+
+
 class _Stopped(Exception):
     """Internal: the caller asked the pipeline to stop."""
 
@@ -259,11 +263,16 @@ class _Pipeline:
         try:
             t0 = time.perf_counter()
             state = s.agent.post(xfer)
+            pause = _FIRST_PAUSE_S
             while state == "PROC":
                 self._check_stop()
                 lost = conn.watch()  # UCX may wait long for a dead peer; the side channel knows at once
                 if lost is not None:
                     raise PeerLostError(f"{lost} during the NIXL READ of chunk {chunk.index}")
+                # Sleeping (GIL released) lets the unpack threads and NIXL's progress thread run; spinning
+                # on state() took one of the two cores from them.
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_PAUSE_S)
                 state = s.agent.state(xfer)
             self._posts += time.perf_counter() - t0
             if state != "DONE":
