@@ -41,8 +41,6 @@ class RunCopier {
   RunCopier& operator=(const RunCopier&) = delete;
   ~RunCopier() { flush(); }
 
-  bool streaming() const { return streaming_; }
-
   void operator()(char* dst, const char* src, int64_t n) {
 #ifdef KVSHUTTLE_HAVE_SSE2
     if (streaming_ && n >= kMinStreamed) {
@@ -54,7 +52,9 @@ class RunCopier {
       dst += head, src += head, n -= head;
       const int64_t body = n & ~(kLine - 1);
       if (n > body) std::memcpy(dst + body, src + body, static_cast<size_t>(n - body));
-      for (int64_t off = 0; off < body; off += kChunk) queue(dst + off, src + off, body - off < kChunk ? body - off : kChunk);
+      for (int64_t off = 0; off < body; off += kChunk) {
+        queue(dst + off, src + off, body - off < kChunk ? body - off : kChunk);
+      }
       return;
     }
 #endif

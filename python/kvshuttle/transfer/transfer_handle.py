@@ -79,9 +79,11 @@ class Outcome:
             if self.state is not TransferState.PENDING:
                 return False
             self.telemetry, self.error, self.state = telemetry, error, state
-        if state is TransferState.DONE and telemetry is not None and self.on_done is not None:
-            self.on_done(telemetry)
-        self.finished.set()
+        try:
+            if state is TransferState.DONE and telemetry is not None and self.on_done is not None:
+                self.on_done(telemetry)
+        finally:  # waiters wake whatever the observer does
+            self.finished.set()
         return True
 
 
