@@ -121,6 +121,8 @@ void register_copies(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("num_threads", &num_threads);
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def("streaming_min_bytes", &streaming_min_bytes);
+  m.def("set_streaming_min_bytes", &set_streaming_min_bytes, py::arg("nbytes"));
   m.def("build_info", &build_info);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_launch_stats", &cuda_launch_stats);

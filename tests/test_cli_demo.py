@@ -29,10 +29,13 @@ def test_bench_pack_json_is_one_object_with_ratios() -> None:
                     "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert [r["shape"] for r in result["results"]] == ["qwen3-32b", "qwen3-32b-tp8"]
+    assert [r["shape"] for r in result["results"]] == ["qwen3-32b", "qwen3-32b-tp8", "qwen3-32b-vllm-flash",
+                                                       "qwen3-32b-vllm-cpu"]
+    assert [r["kind"] for r in result["results"]] == ["flash_attn", "flash_attn", "vllm_flash_attn", "vllm_cpu_attn"]
     for r in result["results"]:
         assert r["bytes"] == 64 * 2 * 2 * r["bytes_per_piece"] and r["pieces"] == 64 * 2 * 2
-        assert r["pack_vs_copy"] > 0 and r["unpack_vs_peer"] > 0
+        assert r["pack_vs_copy"] > 0 and r["unpack_vs_peer"] > 0 and r["verified"]
+        assert r["copy_method"].startswith("memcpy")
 
 
 @pytest.mark.parametrize("bench", ["plan", "policy", "retention"])

@@ -21,6 +21,7 @@ from kvshuttle.transfer import (
     IncompatiblePeerError,
     TransferState,
 )
+from kvshuttle.transfer.path_model import PathModel
 from transfer_helpers import LocalReader, OwnerProcess, OwnerSpec, ReaderPool, block_bytes, build_cache, token_bytes
 
 BASE = Geo(kind="flash_attn", order="NHD", dtype="float16", num_layers=2, num_blocks=32, block_size=16,
@@ -238,3 +239,34 @@ def test_bench_transfer_runs_and_verifies() -> None:
     for row in result["results"]:
         assert all(row["verified"].values()) and set(row["gbps"]) == {*bench.METHODS, "memcpy"}
     assert "layers scaled to 1" in result["note"] and bench.format_table(result)
+
+
+def test_reads_feed_the_peers_path_model_and_auto_follows_it(owner: OwnerProcess, readers: ReaderPool) -> None:
+    """Forced reads are measured into the peer's model; auto then takes the path the model says is faster,
+    against the threshold's prior either way, and says so."""
+    reader = readers.get(BASE)
+    peer = reader.peer("fa_nhd")
+    saved = peer.path_model
+    peer.path_model = model = PathModel(saved.threshold_bytes, explore_every=0, min_bytes=0)
+    try:
+        lids, rids = [5, 1, 9, 3, 20, 11], [8, 2, 30, 17, 4, 25]  # scattered 4 KiB pieces: prior says packed
+        per_run = float(BASE.piece_bytes)
+        total = len(lids) * BASE.planes * BASE.num_layers * BASE.piece_bytes
+        assert model.estimate("direct", per_run, total) is None
+        reader.engine.read(peer, lids, rids, path="direct").wait(10)
+        reader.engine.read(peer, lids, rids, path="packed").wait(10)
+        direct, packed = model.estimate("direct", per_run, total), model.estimate("packed", per_run, total)
+        assert direct is not None and packed is not None and direct > 0 and packed > 0
+        for _ in range(10):  # direct now measures far faster
+            model.record("direct", per_run, total, total / 1e12)
+        handle = reader.engine.read(peer, lids, rids)
+        assert handle.path == "direct" and "measured faster" in handle.wait(10).reason
+        for _ in range(20):  # and now packed does
+            model.record("packed", per_run, total, total / 1e14)
+        handle = reader.engine.read(peer, lids, rids)
+        assert handle.path == "packed" and "measured faster" in handle.wait(10).reason
+        before = model.estimate("packed", per_run, total)
+        reader.engine.read(peer, lids, rids, num_heads=2, path="packed").wait(10)  # unlike any auto read
+        assert model.estimate("packed", per_run, total) == before
+    finally:
+        peer.path_model = saved

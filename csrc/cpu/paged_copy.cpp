@@ -1,118 +1,156 @@
 // CPU pack/unpack: one work item per (block id, layer-plane), split over the thread pool.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "kvshuttle/cpu_copy.h"
 #include "kvshuttle/thread_pool.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <emmintrin.h>
-#define KVSHUTTLE_HAVE_SSE2 1
-#endif
+#include "run_copier.h"
 
 namespace kvshuttle {
 namespace {
 
 // Large copies bypass the cache (non-temporal stores): the destination is not read again soon, and
 // skipping the read-for-ownership saves a third of the memory traffic. Small ones use memcpy.
-constexpr int64_t kStreamingMinTotalBytes = 16 << 20;
+constexpr int64_t kDefaultStreamingMinBytes = 16 << 20;
+std::atomic<int64_t> g_streaming_min_bytes{kDefaultStreamingMinBytes};
 
-inline void copy_streaming(char* dst, const char* src, int64_t n) {
-#ifdef KVSHUTTLE_HAVE_SSE2
-  while (n > 0 && (reinterpret_cast<uintptr_t>(dst) & 15) != 0) {
-    *dst++ = *src++;
-    --n;
-  }
-  for (; n >= 64; n -= 64, src += 64, dst += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
-  }
-#endif
-  if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n));
-}
+using Copier = RunCopier;
 
-inline void store_fence() {
-#ifdef KVSHUTTLE_HAVE_SSE2
-  _mm_sfence();
-#endif
-}
-
-struct Copier {
-  bool streaming;
-  inline void operator()(char* dst, const char* src, int64_t n) const {
-    if (streaming && n >= 256) {
-      copy_streaming(dst, src, n);
-    } else {
-      std::memcpy(dst, src, static_cast<size_t>(n));
-    }
-  }
+// The pieces of one block in the planes of one layer that an item copies together: a vLLM 0.32 FlashAttention
+// page interleaves K and V rows, so copying both planes row by row reads the page in order.
+constexpr int64_t kMaxGroupPlanes = 2;
+struct PlaneGroup {
+  int64_t count = 0;
+  char* paged[kMaxGroupPlanes] = {};
+  char* staged[kMaxGroupPlanes] = {};
 };
 
-// Copies tokens [j, j + len) of one paged piece to slots [k, k + len) of one staging piece (or back), in the
-// largest runs contiguous on both sides: whole token rows, a token's heads, a head's tokens, or single rows.
+// Whether every row of the group can be streamed straight away (RunCopier::rows_streamable on both sides'
+// alignments: row starts differ by multiples of the strides).
+inline bool lanes_fit(const PagedCopySpec& s, const PlaneGroup& g, const Copier& copy) {
+  uintptr_t bits = static_cast<uintptr_t>(s.token_stride | s.head_stride | s.row_bytes);
+  for (int64_t p = 0; p < g.count; ++p) {
+    bits |= reinterpret_cast<uintptr_t>(g.paged[p]) | reinterpret_cast<uintptr_t>(g.staged[p]);
+  }
+  return copy.rows_streamable(bits, s.row_bytes);
+}
+
+// Row by row into HND staging (a vLLM 0.32 FlashAttention page: K and V rows interleaved), without queueing
+// each row: one head's rows for each plane per lane, so the lanes read pages of up to kRowLanes heads at once.
 template <Direction kDir>
-inline void copy_segment(const PagedCopySpec& s, char* paged, char* staged, int64_t j, int64_t k,
-                         int64_t len, const Copier& copy) {
+void copy_rows_hnd(const PagedCopySpec& s, const PlaneGroup& g, int64_t j, int64_t k, int64_t len,
+                   Copier& copy) {
+  const int64_t R = s.row_bytes, Hs = s.staging_heads, h0 = s.head_offset, Bs = s.staging_block_size;
+  const int64_t ts = s.token_stride, hs = s.head_stride;
+  const int64_t heads_per_step = std::max<int64_t>(1, RunCopier::kRowLanes / g.count);
+  char* dst[RunCopier::kRowLanes];
+  const char* src[RunCopier::kRowLanes];
+  for (int64_t h = 0; h < Hs; h += heads_per_step) {
+    const int64_t nh = std::min(heads_per_step, Hs - h);
+    for (int64_t t = 0; t < len; ++t) {
+      int lanes = 0;
+      for (int64_t dh = 0; dh < nh; ++dh) {
+        for (int64_t p = 0; p < g.count; ++p, ++lanes) {
+          char* paged = g.paged[p] + (j + t) * ts + (h0 + h + dh) * hs;
+          char* staged = g.staged[p] + ((h + dh) * Bs + k + t) * R;
+          dst[lanes] = kDir == Direction::Pack ? staged : paged;
+          src[lanes] = kDir == Direction::Pack ? paged : staged;
+        }
+      }
+      copy.copy_rows(dst, src, lanes, R);
+    }
+  }
+}
+
+// Copies tokens [j, j + len) of each paged piece of a group to slots [k, k + len) of its staging piece (or back),
+// in the largest runs contiguous on both sides: whole token rows, a token's heads, a head's tokens, or single
+// rows (then plane by plane for each row).
+template <Direction kDir>
+inline void copy_segment(const PagedCopySpec& s, const PlaneGroup& g, int64_t j, int64_t k, int64_t len,
+                         Copier& copy) {
   const int64_t R = s.row_bytes, Hp = s.num_heads, Hs = s.staging_heads, h0 = s.head_offset;
   const int64_t Bs = s.staging_block_size, ts = s.token_stride, hs = s.head_stride;
-  auto move = [&](int64_t paged_off, int64_t staged_off, int64_t n) {
+  auto move = [&](int64_t p, int64_t paged_off, int64_t staged_off, int64_t n) {
     if (kDir == Direction::Pack) {
-      copy(staged + staged_off, paged + paged_off, n);
+      copy(g.staged[p] + staged_off, g.paged[p] + paged_off, n);
     } else {
-      copy(paged + paged_off, staged + staged_off, n);
+      copy(g.paged[p] + paged_off, g.staged[p] + staged_off, n);
     }
   };
   const bool heads_adjacent = Hs == 1 || hs == R;  // a token's copied heads are one paged run
   const bool tokens_adjacent = len == 1 || ts == R;  // a head's copied tokens are one paged run
-  if (s.staging_order == TokenOrder::NHD) {
-    if (heads_adjacent && Hs == Hp && (len == 1 || ts == Hp * R)) {
-      move(j * ts + h0 * hs, k * Hs * R, len * Hs * R);  // whole token rows are contiguous on both sides
-    } else if (Hs == 1 && tokens_adjacent) {
-      move(j * ts + h0 * hs, k * R, len * R);
-    } else if (heads_adjacent) {
-      for (int64_t t = 0; t < len; ++t) move((j + t) * ts + h0 * hs, (k + t) * Hs * R, Hs * R);
-    } else {
-      for (int64_t t = 0; t < len; ++t) {
-        for (int64_t h = 0; h < Hs; ++h) move((j + t) * ts + (h0 + h) * hs, ((k + t) * Hs + h) * R, R);
+  const bool nhd = s.staging_order == TokenOrder::NHD;
+  const bool whole_rows = nhd && heads_adjacent && Hs == Hp && (len == 1 || ts == Hp * R);
+  const bool runs = nhd ? heads_adjacent : tokens_adjacent;  // else row by row, below
+  if (runs) {
+    for (int64_t p = 0; p < g.count; ++p) {
+      if (whole_rows) {
+        move(p, j * ts + h0 * hs, k * Hs * R, len * Hs * R);  // whole token rows are contiguous on both sides
+      } else if (nhd && Hs == 1 && tokens_adjacent) {
+        move(p, j * ts + h0 * hs, k * R, len * R);
+      } else if (nhd) {
+        for (int64_t t = 0; t < len; ++t) move(p, (j + t) * ts + h0 * hs, (k + t) * Hs * R, Hs * R);
+      } else {
+        for (int64_t h = 0; h < Hs; ++h) move(p, j * ts + (h0 + h) * hs, (h * Bs + k) * R, len * R);
       }
     }
-  } else if (tokens_adjacent) {
-    for (int64_t h = 0; h < Hs; ++h) move(j * ts + (h0 + h) * hs, (h * Bs + k) * R, len * R);
-  } else {
+    return;
+  }
+  if (s.staging_order == TokenOrder::NHD) {
     for (int64_t t = 0; t < len; ++t) {
-      for (int64_t h = 0; h < Hs; ++h) move((j + t) * ts + (h0 + h) * hs, (h * Bs + k + t) * R, R);
+      for (int64_t h = 0; h < Hs; ++h) {
+        for (int64_t p = 0; p < g.count; ++p) move(p, (j + t) * ts + (h0 + h) * hs, ((k + t) * Hs + h) * R, R);
+      }
+    }
+  } else if (lanes_fit(s, g, copy)) {
+    copy_rows_hnd<kDir>(s, g, j, k, len, copy);
+  } else {
+    // Head by head, so staging rows are written in order.
+    for (int64_t h = 0; h < Hs; ++h) {
+      for (int64_t t = 0; t < len; ++t) {
+        for (int64_t p = 0; p < g.count; ++p) move(p, (j + t) * ts + (h0 + h) * hs, (h * Bs + k + t) * R, R);
+      }
     }
   }
 }
 
+// The number of planes an item copies together (see PlaneGroup).
+int64_t group_planes(const PagedCopySpec& s) {
+  return s.planes_per_layer <= kMaxGroupPlanes ? s.planes_per_layer : 1;
+}
+
 template <Direction kDir>
 void copy_items(const PagedCopySpec& s, const uint64_t* bases, const int64_t* ids, int64_t begin,
-                int64_t end, const Copier& copy) {
-  const int64_t planes = s.num_planes();
+                int64_t end, Copier& copy) {
+  const int64_t group = group_planes(s), groups = s.num_planes() / group;
   const int64_t unit_bytes = s.staging_unit_bytes(), piece_bytes = s.staging_piece_bytes();
   char* staging = reinterpret_cast<char*>(s.staging_addr);
   const bool flat = s.is_flat();
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t i = item / planes, lp = item % planes;
-    char* paged = reinterpret_cast<char*>(bases[lp]) + ids[i] * s.block_stride;
+    const int64_t i = item / groups, lp0 = (item % groups) * group;
     const int64_t first = i * s.block_size;
     const int64_t ntok = std::min(s.block_size, s.num_tokens - first);
     if (flat && (ntok == s.block_size || s.staging_order == TokenOrder::NHD)) {
-      char* staged = staging + i * unit_bytes + lp * piece_bytes;
       const int64_t n = ntok * s.num_heads * s.row_bytes;
-      if (kDir == Direction::Pack) copy(staged, paged, n); else copy(paged, staged, n);
+      for (int64_t lp = lp0; lp < lp0 + group; ++lp) {
+        char* paged = reinterpret_cast<char*>(bases[lp]) + ids[i] * s.block_stride;
+        char* staged = staging + i * unit_bytes + lp * piece_bytes;
+        if (kDir == Direction::Pack) copy(staged, paged, n); else copy(paged, staged, n);
+      }
       continue;
     }
     for (int64_t j = 0; j < ntok;) {
       const int64_t t = first + j, unit = t / s.staging_block_size, k = t % s.staging_block_size;
       const int64_t len = std::min(ntok - j, s.staging_block_size - k);
-      copy_segment<kDir>(s, paged, staging + unit * unit_bytes + lp * piece_bytes, j, k, len, copy);
+      PlaneGroup g;
+      g.count = group;
+      for (int64_t p = 0; p < group; ++p) {
+        g.paged[p] = reinterpret_cast<char*>(bases[lp0 + p]) + ids[i] * s.block_stride;
+        g.staged[p] = staging + unit * unit_bytes + (lp0 + p) * piece_bytes;
+      }
+      copy_segment<kDir>(s, g, j, k, len, copy);
       j += len;
     }
   }
@@ -124,15 +162,23 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction) {
   check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
   const int64_t total_bytes = spec.num_tokens * spec.staging_heads * spec.row_bytes * spec.num_planes();
-  const Copier copy{total_bytes >= kStreamingMinTotalBytes};
-  parallel_for(num_ids * spec.num_planes(), [&](int64_t begin, int64_t end) {
+  const bool streaming = total_bytes >= g_streaming_min_bytes.load(std::memory_order_relaxed);
+  parallel_for(num_ids * (spec.num_planes() / group_planes(spec)), [&](int64_t begin, int64_t end) {
+    Copier copy(streaming);
     if (direction == Direction::Pack) {
       copy_items<Direction::Pack>(spec, plane_bases, ids, begin, end, copy);
     } else {
       copy_items<Direction::Unpack>(spec, plane_bases, ids, begin, end, copy);
     }
-    if (copy.streaming) store_fence();
+    copy.flush();
+    if (streaming) store_fence();
   });
+}
+
+int64_t streaming_min_bytes() { return g_streaming_min_bytes.load(); }
+
+void set_streaming_min_bytes(int64_t nbytes) {
+  g_streaming_min_bytes.store(nbytes < 0 ? kDefaultStreamingMinBytes : nbytes);
 }
 
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes) {

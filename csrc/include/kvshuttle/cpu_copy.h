@@ -11,6 +11,11 @@ namespace kvshuttle {
 void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction);
 
+// Copies of at least this many bytes in all use non-temporal stores, from several source pages at once
+// (csrc/cpu/run_copier.h); smaller ones use memcpy. A negative value restores the default (16 MiB).
+int64_t streaming_min_bytes();
+void set_streaming_min_bytes(int64_t nbytes);
+
 // memcpy of nbytes split over the same pool: the physical baseline the benchmarks compare against.
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes);
 

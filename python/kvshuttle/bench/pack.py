@@ -1,7 +1,10 @@
 """``kvshuttle bench pack``: native pack/unpack against memcpy and a fancy-indexing peer, same run.
 
-Shapes come from Qwen3-32B (64 layers, 8 KV heads, head 128, bf16, block 16) and its TP8 shard (1 KV head).
-On the CPU the layer count is scaled down (default 16) so caches fit comfortably; the result says so.
+Shapes come from Qwen3-32B (64 layers, 8 KV heads, head 128, bf16, block 16) and its TP8 shard (1 KV head),
+in the two-region FlashAttention layout, plus the TP1 shape in vLLM 0.32's one-allocation pages (``[N, H, B, 2D]``
+per layer, KVCacheLayout LBHNC): FLASH_ATTN (K and V rows interleaved, copied row by row) and CPU_ATTN (per
+head a K region then a V region). On the CPU the layer count is scaled down (default 16) so caches fit
+comfortably; the result says so. Host buffers are page-aligned, as torch's and vLLM's allocations are.
 
 The five methods (pack, unpack, copy, peer_pack, peer_unpack) are interleaved round by round (see
 :func:`~kvshuttle.bench.timing.interleaved_rounds`); each ratio is the median of the ratios measured within a
@@ -24,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core import ops
-from ..core.layout import CacheKind, PagedKVCache
+from ..core.layout import CacheKind, PagedKVCache, StagingLayout
 from .schema import envelope
 from .timing import gbps, interleaved_rounds, medians, speedups
 
@@ -41,11 +44,19 @@ class ModelShape:
     head_size: int
     block_size: int
     itemsize: int  # bf16
+    kind: CacheKind = CacheKind.FLASH_ATTN
 
 
 SHAPES = {
     "qwen3-32b": ModelShape("qwen3-32b", 64, 8, 128, 16, 2),
     "qwen3-32b-tp8": ModelShape("qwen3-32b-tp8", 64, 1, 128, 16, 2),
+    "qwen3-32b-vllm-flash": ModelShape("qwen3-32b-vllm-flash", 64, 8, 128, 16, 2, CacheKind.VLLM_FLASH_ATTN),
+    "qwen3-32b-vllm-cpu": ModelShape("qwen3-32b-vllm-cpu", 64, 8, 128, 16, 2, CacheKind.VLLM_CPU_ATTN),
+}
+# What the ``copy`` method is on each device: the physical baseline of the ratios.
+COPY_METHODS = {
+    "cpu": "memcpy (glibc) of the same bytes between two contiguous buffers, split over the same pool threads",
+    "cuda": "torch device-to-device copy_ of the same bytes between two contiguous buffers",
 }
 
 
@@ -63,10 +74,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+PAGE = 4096
+
+
+def _aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
+    """``nbytes`` uninitialised bytes starting on a page boundary (numpy's own start is only 16-aligned)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE
+    return raw[start: start + nbytes]
+
+
 def _random_bytes(rng: np.random.Generator, shape: tuple[int, ...], itemsize: int) -> npt.NDArray[Any]:
     dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
-    words = rng.integers(0, 2**63, size=int(np.prod(shape)) * itemsize // 8 + 1, dtype=np.uint64)
-    return words.view(np.uint8)[: int(np.prod(shape)) * itemsize].view(dtype).reshape(shape)
+    nbytes = int(np.prod(shape)) * itemsize
+    out = _aligned_empty(nbytes)
+    words = rng.integers(0, 2**63, size=nbytes // 8 + 1, dtype=np.uint64)
+    out[:] = words.view(np.uint8)[:nbytes]
+    return out.view(dtype).reshape(shape)
 
 
 def _sig(seconds: float) -> float:
@@ -82,7 +106,8 @@ def _result(shape: ModelShape, layers: int, blocks: int, nbytes: int, samples: d
     out: dict[str, Any] = {
         "shape": shape.name, "device": device, "layers": layers, "layers_in_model": shape.layers,
         "blocks": blocks, "bytes": nbytes, "pieces": pieces, "bytes_per_piece": nbytes // pieces,
-        "threads": threads, "rounds": len(samples["pack"]), "batch": batch,
+        "kind": shape.kind.value, "threads": threads, "rounds": len(samples["pack"]), "batch": batch,
+        "copy_method": COPY_METHODS[device],
         "seconds": {name: _sig(t) for name, t in times.items()},
         "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
         **ratios,
@@ -99,30 +124,49 @@ def _result(shape: ModelShape, layers: int, blocks: int, nbytes: int, samples: d
     return out
 
 
+def _cpu_cache(shape: ModelShape, layers: int, total: int, rng: np.random.Generator
+               ) -> tuple[PagedKVCache, list[npt.NDArray[Any]]]:
+    """The cache and its per-layer arrays: ``[2, N, B, H, D]`` per layer, or vLLM 0.32's ``[N, H, B, 2D]``
+    views of one allocation (LBHNC)."""
+    if shape.kind.is_vllm_view:
+        one = _random_bytes(rng, (layers, total, shape.kv_heads, shape.block_size, 2 * shape.head_size),
+                            shape.itemsize)
+        views = [one[layer] for layer in range(layers)]
+        return PagedKVCache.from_arrays(views, shape.kind), views
+    kv_shape = (2, total, shape.block_size, shape.kv_heads, shape.head_size)
+    caches = [_random_bytes(rng, kv_shape, shape.itemsize) for _ in range(layers)]
+    return PagedKVCache.from_arrays(caches, shape.kind), caches
+
+
 def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     from .. import _native
+    from ..core import reference
 
     _native.set_num_threads(args.threads)
     layers = args.layers or 16
     rng = np.random.default_rng(args.seed)
     total = args.blocks + args.spare_blocks
-    kv_shape = (2, total, shape.block_size, shape.kv_heads, shape.head_size)
-    caches = [_random_bytes(rng, kv_shape, shape.itemsize) for _ in range(layers)]
-    cache = PagedKVCache.from_arrays(caches, CacheKind.FLASH_ATTN)
+    cache, caches = _cpu_cache(shape, layers, total, rng)
+    block_axis = 0 if shape.kind.is_vllm_view else 1
     ids = rng.permutation(total)[: args.blocks]
     nbytes = ops.staging_nbytes(cache, args.blocks * shape.block_size)
-    staging = np.empty(nbytes, dtype=np.uint8)
-    copy_dst = np.empty(nbytes, dtype=np.uint8)
-    # The obvious peer: one numpy fancy-indexing gather/scatter per layer into [L, 2, n, B, H, D].
-    peer = np.empty((layers, 2, args.blocks, *kv_shape[2:]), dtype=caches[0].dtype)
+    staging = _aligned_empty(nbytes)
+    copy_dst = _aligned_empty(nbytes)
+    # The obvious peer: one numpy fancy-indexing gather/scatter of whole blocks per layer.
+    peer_shape = list(caches[0].shape)
+    peer_shape[block_axis] = args.blocks
+    peer = np.empty((layers, *peer_shape), dtype=caches[0].dtype)
 
     def peer_pack() -> None:
         for layer, kv in enumerate(caches):
-            np.take(kv, ids, axis=1, out=peer[layer])
+            np.take(kv, ids, axis=block_axis, out=peer[layer])
 
     def peer_unpack() -> None:
         for layer, kv in enumerate(caches):
-            kv[:, ids] = peer[layer]
+            if block_axis == 0:
+                kv[ids] = peer[layer]
+            else:
+                kv[:, ids] = peer[layer]
 
     src_addr, dst_addr = staging.ctypes.data, copy_dst.ctypes.data
     fns: dict[str, Callable[[], object]] = {
@@ -135,15 +179,19 @@ def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     batch = args.batch or 1
     samples = interleaved_rounds(fns, args.repeat, number=batch)
 
-    # Bytes checked after timing: staging = the peer's gather; unpack into zeroed blocks restores them.
+    # Bytes checked after timing: staging = the numpy reference's; unpack into zeroed blocks restores them.
     ops.pack(cache, ids, staging)
     peer_pack()
-    staged = staging.view(caches[0].dtype).reshape(args.blocks, layers, *kv_shape[:1], *kv_shape[2:])
-    ok = all(np.array_equal(staged[:, layer], np.moveaxis(peer[layer], 1, 0)) for layer in range(layers))
+    layout = StagingLayout.like(cache.geometry)
+    reference.pack(cache, ids, copy_dst, layout, args.blocks * shape.block_size, 0)
+    ok = bool(np.array_equal(copy_dst, staging))
     for kv in caches:
-        kv[:, ids] = 0
+        if block_axis == 0:
+            kv[ids] = 0
+        else:
+            kv[:, ids] = 0
     ops.unpack(staging, cache, ids)
-    ok = ok and all(np.array_equal(kv[:, ids], peer[layer]) for layer, kv in enumerate(caches))
+    ok = ok and all(np.array_equal(np.take(kv, ids, axis=block_axis), peer[layer]) for layer, kv in enumerate(caches))
     _native.parallel_memcpy(dst_addr, src_addr, nbytes)
     ok = ok and np.array_equal(copy_dst, staging)
     if not ok:
@@ -256,6 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = list(SHAPES) if args.shape == "all" else [args.shape]
     gpu = None
     if args.device == "cuda":
+        # The GPU path builds two-region FlashAttention caches only.
+        names = [name for name in names if SHAPES[name].kind is CacheKind.FLASH_ATTN]
         import torch
 
         gpu = str(torch.cuda.get_device_name())
@@ -281,7 +331,7 @@ def _cell(r: dict[str, Any], name: str) -> str:
 def format_table(result: dict[str, Any]) -> str:
     ratios = list(PAIRS)
     lines = [
-        f"{'shape':<15}{'dev':<5}{'layers':>7}{'piece':>7}{'GiB':>6}{'pack':>9}{'unpack':>9}{'copy':>9}"
+        f"{'shape':<22}{'dev':<5}{'layers':>7}{'piece':>7}{'GiB':>6}{'pack':>9}{'unpack':>9}{'copy':>9}"
         f"{'peer_p':>8}{'peer_u':>8}  " + "".join(f"{name:<19}" for name in ratios)
     ]
     for r in result["results"]:
@@ -289,7 +339,7 @@ def format_table(result: dict[str, Any]) -> str:
             g = r[f"{prefix}gbps"]
             suffix = "_kernel" if prefix else ""
             lines.append(
-                f"{r['shape']:<15}{r['device'] + ('/k' if prefix else ''):<5}{r['layers']:>7}"
+                f"{r['shape']:<22}{r['device'] + ('/k' if prefix else ''):<5}{r['layers']:>7}"
                 f"{r['bytes_per_piece']:>7}{r['bytes'] / 2**30:>6.2f}{g['pack']:>9.2f}{g['unpack']:>9.2f}"
                 f"{g['copy']:>9.2f}{g['peer_pack']:>8.2f}{g['peer_unpack']:>8.2f}  "
                 + "".join(f"{_cell(r, name + suffix):<19}" for name in ratios)
@@ -297,5 +347,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("GB/s (median per method); pack_vs_copy = pack speed / memcpy (GPU: device copy) of the same bytes, "
                  "pack_vs_peer = pack / fancy-indexing peer: median of per-round ratios (min-max); cuda/k = "
                  "kernel time from CUDA events")
+    copy_methods = sorted({r["copy_method"] for r in result["results"] if "copy_method" in r})
+    lines.extend(f"copy = {method}" for method in copy_methods)
     lines.append(result["note"])
     return "\n".join(lines)

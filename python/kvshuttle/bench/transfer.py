@@ -7,11 +7,15 @@ agent pair four ways and reports GB/s against a memcpy of the same bytes measure
 * ``direct_prepped``: the same READ by index into lists prepared once (``make_prepped_xfer``);
 * ``packed``: the owner packs into staging chunks, the reader reads chunks and unpacks, pipelined;
 * ``raw_per_block``: vLLM's way: one descriptor per (layer, K/V, block), prepared once per side, one
-  ``make_prepped_xfer`` per read (NIXL merges runs contiguous on both sides by itself).
+  ``make_prepped_xfer`` per read (NIXL merges runs contiguous on both sides by itself);
+* ``auto``: ``path="auto"`` on the same engine and peer as ``direct`` and ``packed``, whose reads feed the
+  peer's path model (transfer/path_model.py), as a serving engine's earlier reads would; ``auto_vs_best`` is
+  auto's speed over the faster (by median) of direct and packed, ``auto_paths`` how often it took each.
 
 Shapes are Qwen3-32B's (8 KV heads x 128 x bf16, 16-token blocks: 32 KiB pieces) and its TP8 shard
 (1 head: 4 KiB pieces), plus TP2 (16 KiB) and TP4 (8 KiB) on request (``--shape`` takes a comma-separated
-list), with fewer layers than the model's 64 so both caches fit this machine; the result says how many.
+list; ``pieces`` is a sweep of 1-64 KiB pieces: 1 head of 32 or 64, 1-16 heads of 128), with fewer layers
+than the model's 64 so both caches fit this machine; the result says how many.
 Block ids are "scattered" (random on both sides) or "contiguous" (one run on each side). ``--chunk-mib``
 and ``--depth`` take comma-separated lists too: every combination is a run of its own (a sweep).
 
@@ -25,6 +29,7 @@ import argparse
 import functools
 import itertools
 import multiprocessing as mp
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +40,7 @@ import numpy.typing as npt
 
 from ..core.layout import CacheKind, PagedKVCache
 from .schema import envelope
-from .timing import gbps, interleaved_rounds, medians, speedups
+from .timing import gbps, interleaved_rounds, medians, round_ratios, speedups, spread
 
 
 @dataclass(frozen=True)
@@ -53,19 +58,26 @@ SHAPES = {
     "qwen3-32b-tp2": Shape("qwen3-32b-tp2", 64, 4, 128, 16, 2),
     "qwen3-32b-tp4": Shape("qwen3-32b-tp4", 64, 2, 128, 16, 2),
     "qwen3-32b-tp8": Shape("qwen3-32b-tp8", 64, 1, 128, 16, 2),
+    **{f"piece-{kib}k": Shape(f"piece-{kib}k", 64, heads, head, 16, 2)
+       for kib, heads, head in ((1, 1, 32), (2, 1, 64), (4, 1, 128), (8, 2, 128), (16, 4, 128), (32, 8, 128),
+                                (64, 16, 128))},
 }
 DEFAULT_SHAPES = ("qwen3-32b-tp1", "qwen3-32b-tp8")  # --shape all
-METHODS = ("direct", "direct_prepped", "packed", "raw_per_block")
+PIECE_SHAPES = tuple(name for name in SHAPES if name.startswith("piece-"))  # --shape pieces
+METHODS = ("direct", "direct_prepped", "packed", "raw_per_block", "auto")
 PAIRS = {"packed_vs_memcpy": ("packed", "memcpy"), "packed_vs_direct": ("packed", "direct"),
          "direct_vs_raw_per_block": ("direct", "raw_per_block")}
 
 
 def _names(text: str) -> list[str]:
-    names = list(SHAPES) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    if text in ("all", "pieces"):
+        return list(DEFAULT_SHAPES if text == "all" else PIECE_SHAPES)
+    names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)} or all")
-    return list(DEFAULT_SHAPES) if text == "all" else names
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}, all or "
+                                         "pieces")
+    return names
 
 
 def _floats(text: str) -> list[float]:
@@ -80,7 +92,8 @@ def _floats(text: str) -> list[float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="all",
-                        help=f"comma-separated, of {', '.join(SHAPES)}; all: {', '.join(DEFAULT_SHAPES)}")
+                        help=f"comma-separated, of {', '.join(SHAPES)}; all: {', '.join(DEFAULT_SHAPES)}; "
+                             "pieces: the piece-* sweep")
     parser.add_argument("--layers", type=int, default=8, help="layers allocated (the model has 64)")
     parser.add_argument("--blocks", type=int, default=256, help="blocks read per transfer (16 tokens each)")
     parser.add_argument("--spare-blocks", type=int, default=256, help="cache blocks not read")
@@ -180,14 +193,20 @@ class _Reader:
         self.prepped_peer = self.prepped.connect(address)
         self.raw_lists = _raw_per_block(self.direct, self.peer)
         self.descriptors: dict[str, int] = {}
+        self.auto_paths: dict[str, int] = {}  # timed auto reads per path taken
+        self.auto_reason = ""
 
     def read(self, name: str, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]) -> None:
         if name == "raw_per_block":
             self.descriptors[name] = _raw_read(self.direct, self.peer, self.raw_lists, lids, rids)
             return
         engine, peer = (self.prepped, self.prepped_peer) if name == "direct_prepped" else (self.direct, self.peer)
-        tel = engine.read(peer, lids, rids, path="packed" if name == "packed" else "direct").wait(120)
+        path = name if name in ("packed", "auto") else "direct"
+        tel = engine.read(peer, lids, rids, path=path).wait(120)  # type: ignore[arg-type]
         self.descriptors[name] = tel.nixl_descriptors or tel.descriptors
+        if name == "auto":
+            self.auto_paths[tel.path] = self.auto_paths.get(tel.path, 0) + 1
+            self.auto_reason = tel.reason
 
     def close(self) -> None:
         self.direct.close()
@@ -209,7 +228,17 @@ def _measure(reader: _Reader, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.
     fns: dict[str, Callable[[], object]] = {name: functools.partial(reader.read, name, lids, rids)
                                             for name in METHODS}
     fns["memcpy"] = memcpy
+    reader.auto_paths = {}
     return interleaved_rounds(fns, repeat, warmup=0), verified
+
+
+def _auto_vs_best(samples: dict[str, list[float]]) -> tuple[float, dict[str, float], str]:
+    """Auto's speed over the faster of direct and packed (the lower median time): the median of per-round
+    ratios against that path, their spread, and its name. (Against the faster of the two in each round, noise
+    alone would put auto below 1 where the paths are even.)"""
+    best = min(("direct", "packed"), key=lambda name: statistics.median(samples[name]))
+    sp = spread(round_ratios(samples, "auto", best))
+    return sp["median"], sp, best
 
 
 def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chunk_mib: float,
@@ -240,6 +269,7 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
                 raise AssertionError(f"{shape.name} {pattern}: wrong bytes read by {verified}")
             times = medians(samples)
             ratios, spreads = speedups(samples, PAIRS)
+            ratios["auto_vs_best"], spreads["auto_vs_best"], best = _auto_vs_best(samples)
             descriptors = dict(reader.descriptors)
             results.append({
                 "shape": shape.name, "pattern": pattern, "layers": args.layers,
@@ -253,6 +283,7 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
                 "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
                 **ratios,
                 "ratio_spread": spreads,
+                "auto_paths": dict(reader.auto_paths), "auto_reason": reader.auto_reason, "best_path": best,
                 "verified": verified,
             })
     finally:
@@ -297,13 +328,20 @@ def format_table(result: dict[str, Any]) -> str:
         from . import transfer_cuda
 
         return transfer_cuda.format_table(result)
+    rows = result["results"]
+    methods = [m for m in (*METHODS, "memcpy") if all(m in r["gbps"] for r in rows)]  # older runs: no auto
+    pairs = [p for p in (*PAIRS, "auto_vs_best") if all(p in r for r in rows)]
     lines = [result["note"], f"{'shape':15} {'pattern':11} {'chunk':>9} {'MiB':>5} " + " ".join(
-        f"{m:>14}" for m in (*METHODS, "memcpy")) + "  " + "  ".join(f"{p:<17}" for p in PAIRS)]
-    for r in result["results"]:
+        f"{m:>14}" for m in methods) + "  " + "  ".join(f"{p:<17}" for p in pairs)]
+    for r in rows:
         lines.append(f"{r['shape']:15} {r['pattern']:11} {r['chunk_mib']:>5g}x{r['depth']:<3} "
-                     f"{r['bytes'] / 2**20:5.0f} " + " ".join(f"{r['gbps'][m]:9.2f} GB/s" for m in (*METHODS, "memcpy"))
-                     + "  " + "  ".join(f"{_cell(r, p):<17}" for p in PAIRS))
+                     f"{r['bytes'] / 2**20:5.0f} " + " ".join(f"{r['gbps'][m]:9.2f} GB/s" for m in methods)
+                     + "  " + "  ".join(f"{_cell(r, p):<17}" for p in pairs))
         lines.append(" " * 38 + "descriptors: " + ", ".join(f"{k} {v}" for k, v in r["descriptors"].items()))
+        if "auto_paths" in r:
+            taken = ", ".join(f"{path} {n}" for path, n in sorted(r["auto_paths"].items()))
+            lines.append(" " * 38 + f"faster path {r['best_path']}; auto took: {taken}; last reason: "
+                         f"{r['auto_reason']}")
     lines.append("GB/s: median per method; ratios: speed of the first over the second, median of per-round "
-                 "ratios (min-max)")
+                 "ratios (min-max); auto_vs_best: auto over the faster (by median) of direct and packed")
     return "\n".join(lines)

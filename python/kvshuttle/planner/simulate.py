@@ -48,10 +48,11 @@ client sends every turn in turn). Per turn:
    previous request's answer ended and at least its ``gap_s`` after its own conversation's previous answer.
 
 Not modelled: batching several requests into one prefill step, decode contention (a decode-local turn's compute
-delays the decode's other requests: measured by ``kvshuttle bench placement --bystander``), read failures (a failed read recomputes: that would cost a read *and* a
-recompute), prefill workers of different speeds (every worker runs at the profile's), a decode-local turn's
-own fixed cost (it pays the profile's prefill fixed cost, hand-off to the decode included), and the router's
-text estimate of a turn's new tokens (decode-local decides on their token count).
+delays the decode's other requests: measured by ``kvshuttle bench placement --bystander``), read failures (a failed
+read recomputes: that would cost a read *and* a recompute), prefill workers of different speeds (every worker runs
+at the profile's), a decode-local turn's own fixed cost (it pays the profile's prefill fixed cost, hand-off to the
+decode included), and the router's text estimate of a turn's new tokens (decode-local decides on their token
+count).
 """
 
 from __future__ import annotations

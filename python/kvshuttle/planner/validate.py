@@ -63,8 +63,9 @@ def default_e2e_path() -> Path:
 
 
 def default_transfer_paths(e2e_path: Path) -> list[Path]:
+    """The transfer runs made on the machine of ``vm2_e2e.json``: the earlier VM's (``vm2old_*``)."""
     base = e2e_path.parent
-    return [p for p in (base / "vm2_transfer.json", base / "vm2_transfer_1536.json") if p.is_file()]
+    return [p for p in (base / "vm2old_transfer.json", base / "vm2old_transfer_1536.json") if p.is_file()]
 
 
 def load_e2e(path: str | Path) -> dict[str, Any]:

@@ -75,8 +75,9 @@ class DirectTransfer(TransferHandle):
 
     def __init__(self, transfer_id: str, reason: str, local_ids: npt.NDArray[np.int64], agent: NixlAgent,
                  peer_name: str, request: DirectRequest, prep_time: float, deadline: float,
-                 started: float, peer_lost: Callable[[], str | None]) -> None:
-        super().__init__(transfer_id, "direct", reason, local_ids)
+                 started: float, peer_lost: Callable[[], str | None],
+                 on_done: Callable[[TransferTelemetry], None] | None = None) -> None:
+        super().__init__(transfer_id, "direct", reason, local_ids, on_done)
         self.started = started
         self._agent = agent
         self._peer_name = peer_name

@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,11 @@ class PackedSetup:
     prep_time: float
     reason: str
     claim_id: str | None = None  # the claim covering remote_ids (owners with a ledger pack only claimed blocks)
+    on_done: Callable[[TransferTelemetry], None] | None = None  # told the telemetry of a read that finished DONE
+
+
+# Back-off between checks of a posted chunk READ (doubling from the first to the most).
+_FIRST_PAUSE_S, _MAX_PAUSE_S = 20e-6, 1e-3
 
 
 class _Stopped(Exception):
@@ -92,7 +98,7 @@ class PackedTransfer(TransferHandle):
     """
 
     def __init__(self, transfer_id: str, setup: PackedSetup, started: float) -> None:
-        super().__init__(transfer_id, "packed", setup.reason, setup.local_ids)
+        super().__init__(transfer_id, "packed", setup.reason, setup.local_ids, setup.on_done)
         self.started = started
         self._pipeline = _Pipeline(transfer_id, setup, started, self._outcome)
         self._finalizer = weakref.finalize(self, self._pipeline.stop_flag.set)
@@ -256,11 +262,16 @@ class _Pipeline:
         try:
             t0 = time.perf_counter()
             state = s.agent.post(xfer)
+            pause = _FIRST_PAUSE_S
             while state == "PROC":
                 self._check_stop()
                 lost = conn.watch()  # UCX may wait long for a dead peer; the side channel knows at once
                 if lost is not None:
                     raise PeerLostError(f"{lost} during the NIXL READ of chunk {chunk.index}")
+                # Sleeping (GIL released) lets the unpack threads and NIXL's progress thread run; spinning
+                # on state() took one of the two cores from them.
+                time.sleep(pause)
+                pause = min(2 * pause, _MAX_PAUSE_S)
                 state = s.agent.state(xfer)
             self._posts += time.perf_counter() - t0
             if state != "DONE":

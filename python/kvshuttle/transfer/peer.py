@@ -11,6 +11,7 @@ import zmq
 from ..trust import DeploymentSecret
 from ._nixl import NixlDescList
 from .errors import PeerLostError
+from .path_model import PathModel
 from .side_channel import Connection
 from .wire import PeerInfo
 
@@ -30,6 +31,7 @@ class Peer:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 1.0
     remote_dlist: NixlDescList | None = field(default=None, repr=False)
+    path_model: PathModel = field(default_factory=lambda: PathModel(32 << 10), repr=False)  # auto's measurements
     connected: bool = True
     lost: str | None = None
     _streams: list[Connection] = field(default_factory=list, repr=False)  # idle packed-read connections

@@ -1,10 +1,10 @@
 """The reader role (prefill, for reverse reads): connect to owners, claim their blocks, read them.
 
-``read()`` validates every argument before anything is posted (named errors), picks the path (direct for
-large pieces and identical layouts, packed for small pieces or layout transforms) and returns a
-:class:`TransferHandle`. A peer whose connection drops or whose heartbeat stops is *lost*: every read,
-claim and ping to it fails at once with ``PeerLostError``; ``connect(address)`` again reaches an owner
-that came back.
+``read()`` validates every argument before anything is posted (named errors), picks the path (packed for
+layout transforms; for identical layouts, ``auto`` asks the peer's :class:`~.path_model.PathModel`, fed by
+the reads already done, which path moved reads like this one faster) and returns a :class:`TransferHandle`.
+A peer whose connection drops or whose heartbeat stops is *lost*: every read, claim and ping to it fails at
+once with ``PeerLostError``; ``connect(address)`` again reaches an owner that came back.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from .errors import (
 )
 from .layered import LayeredTransfer
 from .packed import PackedSetup, PackedTransfer
+from .path_model import PathModel
 from .peer import Peer
 from .side_channel import Connection
 from .staging import chunk_tokens, plan_chunks
@@ -125,7 +127,8 @@ class ReaderRole(Endpoint):
                 conn.close()
                 raise
             peer = Peer(address, info, name, layout_difference(self.cache.geometry, info.cache), conn, self.secret,
-                        config.heartbeat_s, config.peer_timeout_s)
+                        config.heartbeat_s, config.peer_timeout_s,
+                        path_model=PathModel(config.packed_threshold_bytes, config.auto_explore_every))
             self._peers[name] = peer
         return peer
 
@@ -182,8 +185,9 @@ class ReaderRole(Endpoint):
 
         ``num_tokens`` (default: every slot) may end inside the last block; the direct path copies whole
         blocks. ``num_heads``/``*_head_offset`` read a head slice (tensor-parallel shards; packed path).
-        ``path="auto"`` picks packed for small descriptors or differing layouts, else direct
-        (``handle.path`` and ``telemetry.reason`` say which and why). ``notify`` is delivered to the owner
+        ``path="auto"`` picks packed for differing layouts, else the path that the peer's measurements say is
+        faster for reads of this shape (:mod:`.path_model`; ``handle.path`` and ``telemetry.reason`` say which
+        and why). ``notify`` is delivered to the owner
         with the completion notification. ``claim``: the claim covering ``remote_ids`` (an owner that keeps a
         retention ledger packs only claimed blocks). Every argument is checked before anything is posted: a bad one
         raises a named error (``TransferArgumentError``, ``BlockRangeError``...) and nothing is written.
@@ -221,13 +225,14 @@ class ReaderRole(Endpoint):
         sliced = heads != g.num_heads or heads != rc.num_heads
         difference = peer.layout_difference or (f"head slice of {heads}" if sliced else None)
         chosen, reason, plan = self._choose_path(peer, lids, rids, path, difference)
+        observer = self._observer(peer, lids, rids, sliced)
         if chosen == "direct":
             handle: TransferHandle = self._read_direct(peer, transfer_id, lids, rids, plan, reason, notify,
-                                                       deadline, started)
+                                                       deadline, started, on_done=observer)
         else:
             layout = StagingLayout(g.block_size, heads, g.order)
             handle = self._read_packed(peer, transfer_id, lids, rids, tokens, layout, local_offset,
-                                       remote_offset, reason, notify, deadline, started, claim)
+                                       remote_offset, reason, notify, deadline, started, claim, observer)
         self._active.add(handle)
         return handle
 
@@ -321,7 +326,6 @@ class ReaderRole(Endpoint):
     def _choose_path(self, peer: Peer, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64], path: Path,
                      difference: str | None) -> tuple[str, str, ReadPlan | None]:
         staging = self.pool.slots > 0 and peer.info.staging.slots > 0
-        threshold = self.config.packed_threshold_bytes
         if path == "direct" or (path == "auto" and difference is None and not staging):
             if difference is not None:
                 raise IncompatiblePeerError(f"a direct read needs identical block layouts, but {difference}; "
@@ -336,19 +340,36 @@ class ReaderRole(Endpoint):
             return "packed", "requested", None
         if difference is not None:
             return "packed", f"layouts differ ({difference})", None
-        piece = self.side.piece_bytes
-        if piece >= threshold:
-            return "direct", f"pieces of {piece} B >= threshold {threshold} B", None
-        plan = plan_read(self.side, lids, peer.info.side, rids)
-        if plan.bytes_per_descriptor >= threshold:
-            return "direct", (f"pieces of {piece} B coalesce to {plan.bytes_per_descriptor:.0f} B per "
-                              f"descriptor >= threshold {threshold} B"), plan
-        return "packed", (f"{plan.bytes_per_descriptor:.0f} B per descriptor after coalescing < threshold "
-                          f"{threshold} B"), None
+        per_run, total = self._read_shape(lids, rids)
+        choice = peer.path_model.choose(per_run, total)
+        shape = f"pieces of {self.side.piece_bytes} B coalesce to {per_run:.0f} B per run"
+        return choice.path, f"{shape}; {choice.reason}", None
+
+    def _read_shape(self, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]) -> tuple[float, int]:
+        """(bytes per run, bytes) of a read: a run is a stretch of blocks consecutive on both sides, which a direct
+        read moves as one descriptor per plane. The path model's bucket (:mod:`.path_model`)."""
+        runs = 1 + int(np.count_nonzero((np.diff(lids) != 1) | (np.diff(rids) != 1))) if lids.size else 1
+        total = int(lids.size) * self.side.num_planes * self.side.piece_bytes
+        return total / (runs * self.side.num_planes), total
+
+    def _observer(self, peer: Peer, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64],
+                  tokens_sliced: bool) -> Callable[[TransferTelemetry], None] | None:
+        """What feeds a finished read into the peer's path model (None for reads unlike any ``auto`` read:
+        layout transforms and head slices)."""
+        if tokens_sliced or peer.layout_difference is not None:
+            return None
+        per_run, total = self._read_shape(lids, rids)
+        model = peer.path_model
+
+        def record(tel: TransferTelemetry) -> None:
+            model.record(tel.path, per_run, total, tel.transfer_time_s)
+
+        return record
 
     def _read_direct(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
                      rids: npt.NDArray[np.int64], plan: ReadPlan | None, reason: str, notify: bytes,
-                     deadline: float, started: float, mode: str | None = None) -> TransferHandle:
+                     deadline: float, started: float, mode: str | None = None,
+                     on_done: Callable[[TransferTelemetry], None] | None = None) -> TransferHandle:
         notif = NOTIF_PREFIX + transfer_id.encode() + b":" + notify
         rmem: MemType = peer.info.mem_type
         try:
@@ -370,12 +391,13 @@ class ReaderRole(Endpoint):
             raise kind(f"building the direct READ from {peer.address} failed: {exc}", lids) from exc
         prep = time.perf_counter() - started
         return DirectTransfer(transfer_id, reason, lids, self._agent, peer.agent_name, request, prep, deadline,
-                              started, peer.watch)
+                              started, peer.watch, on_done)
 
     def _read_packed(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
                      rids: npt.NDArray[np.int64], tokens: int, layout: StagingLayout, local_head_offset: int,
                      remote_head_offset: int, reason: str, notify: bytes, deadline: float,
-                     started: float, claim: ClaimTicket | None) -> TransferHandle:
+                     started: float, claim: ClaimTicket | None,
+                     on_done: Callable[[TransferTelemetry], None] | None = None) -> TransferHandle:
         g, rc = self.cache.geometry, peer.info.cache
         slot_bytes = min(self.pool.slot_bytes, peer.info.staging.slot_bytes)
         try:
@@ -392,7 +414,7 @@ class ReaderRole(Endpoint):
             local_head_offset=local_head_offset, remote_head_offset=remote_head_offset, chunk_tokens=per_chunk,
             chunks=chunks, depth=max(1, self.config.pipeline_depth), notify=notify, deadline=deadline,
             prep_time=time.perf_counter() - started, reason=reason,
-            claim_id=None if claim is None else claim.claim_id,
+            claim_id=None if claim is None else claim.claim_id, on_done=on_done,
         )
         try:
             return PackedTransfer(transfer_id, setup, started)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,7 +64,8 @@ class Outcome:
     caller drops can be collected, and its finalizer stops the pipeline.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_done: Callable[[TransferTelemetry], None] | None = None) -> None:
+        self.on_done = on_done  # told the telemetry of a read that finished DONE (the auto path's model)
         self.state = TransferState.PENDING
         self.error: TransferError | None = None
         self.telemetry: TransferTelemetry | None = None
@@ -77,7 +79,11 @@ class Outcome:
             if self.state is not TransferState.PENDING:
                 return False
             self.telemetry, self.error, self.state = telemetry, error, state
-        self.finished.set()
+        try:
+            if state is TransferState.DONE and telemetry is not None and self.on_done is not None:
+                self.on_done(telemetry)
+        finally:  # waiters wake whatever the observer does
+            self.finished.set()
         return True
 
 
@@ -91,13 +97,14 @@ class TransferHandle:
     ``invalid_block_ids`` lists the local blocks to recompute.
     """
 
-    def __init__(self, transfer_id: str, path: str, reason: str, local_ids: npt.NDArray[np.int64]) -> None:
+    def __init__(self, transfer_id: str, path: str, reason: str, local_ids: npt.NDArray[np.int64],
+                 on_done: Callable[[TransferTelemetry], None] | None = None) -> None:
         self.transfer_id = transfer_id
         self.path = path
         self.reason = reason
         self.local_block_ids: tuple[int, ...] = tuple(np.asarray(local_ids, dtype=np.int64).tolist())
         self.started = time.perf_counter()
-        self._outcome = Outcome()
+        self._outcome = Outcome(on_done)
 
     # -- for subclasses -------------------------------------------------------------------------------------
     def _progress(self) -> None:

@@ -1,0 +1,126 @@
+"""The streaming copy path (non-temporal stores from several pages at once, csrc/cpu/run_copier.h) against the
+numpy reference, byte for byte over whole poisoned destinations.
+
+Caches of the other pack tests are far below the 16 MiB above which the native pack streams, so they run
+memcpy only; here the threshold is lowered to 0 bytes. Buffers are page-aligned (torch's and vLLM's
+allocations are), so line-aligned rows take the row-lane path, and shifted by a few bytes, so heads and tails
+of runs go through memcpy; block ids are permuted, so runs come from scattered blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from conftest import (
+    POISON,
+    TRANSFORMS,
+    VLLM_CASES,
+    Geo,
+    HostCache,
+    assert_bytes_equal,
+    make_cache,
+    random_bytes,
+    random_ids,
+    transform,
+)
+from kvshuttle import _native, pack, staging_nbytes, unpack
+
+PAGE = 4096
+TAIL = 64 + 37  # staging bytes past the used part, which must stay as they were
+
+
+@pytest.fixture(autouse=True)
+def streaming() -> Iterator[None]:
+    _native.set_streaming_min_bytes(0)
+    try:
+        yield
+    finally:
+        _native.set_streaming_min_bytes(-1)
+
+
+def placed(data: np.ndarray, shift: int) -> np.ndarray:
+    """A copy of ``data`` starting ``shift`` bytes after a page boundary."""
+    raw = np.empty(data.size + PAGE + shift, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE + shift
+    out = raw[start: start + data.size]
+    out[:] = data
+    return out
+
+
+def placed_cache(host: HostCache, shift: int) -> HostCache:
+    return HostCache(host.geo, [placed(r, shift) for r in host.raws], host.framework)
+
+
+def check_pack_unpack(rng: np.random.Generator, geo: Geo, ids: np.ndarray, *, layout=None, num_tokens=None,
+                      head_offset: int = 0, shift: int = 0) -> None:
+    """Pack and unpack with both backends into identical (shifted) buffers: every byte must agree."""
+    host = placed_cache(make_cache(rng, geo), shift)
+    cache = host.cache()
+    tokens = len(ids) * geo.block_size if num_tokens is None else num_tokens
+    need = staging_nbytes(cache, tokens, layout)
+    staged = {}
+    for backend in ("native", "reference"):
+        buf = placed(np.full(need + TAIL, POISON, np.uint8), shift)
+        pack(cache, ids, buf[: need + TAIL], num_tokens=num_tokens, layout=layout, head_offset=head_offset,
+             backend=backend)
+        staged[backend] = buf
+    assert_bytes_equal(staged["native"], staged["reference"], "staging (native vs reference)")
+    assert (staged["native"][need:] == POISON).all()
+
+    source = placed(random_bytes(rng, need), shift)
+    dest = placed_cache(make_cache(rng, geo), shift)
+    want = placed_cache(dest, shift)
+    unpack(source, dest.cache(), ids, num_tokens=num_tokens, layout=layout, head_offset=head_offset,
+           backend="native")
+    unpack(source, want.cache(), ids, num_tokens=num_tokens, layout=layout, head_offset=head_offset,
+           backend="reference")
+    for layer, (got, expected) in enumerate(zip(dest.raws, want.raws, strict=True)):
+        assert_bytes_equal(got, expected, f"cache buffer {layer} (native vs reference)")
+
+
+def test_threshold_is_settable() -> None:
+    _native.set_streaming_min_bytes(12345)
+    assert _native.streaming_min_bytes() == 12345
+    _native.set_streaming_min_bytes(-1)
+    assert _native.streaming_min_bytes() == 16 << 20
+
+
+@pytest.mark.parametrize("shift", [0, 16, 5], ids=["aligned", "shift16", "shift5"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "float32"])
+@pytest.mark.parametrize(("kind", "order"), [("flash_attn", "NHD"), ("flash_attn", "HND"),
+                                             ("flashinfer", "NHD"), ("mla", "NHD")])
+def test_dense_kinds(rng, kind, order, dtype, shift):
+    """Whole pieces of 64 B to 16 KiB, several of them over a 4 KiB chunk."""
+    for head_size in (16, 64, 3):
+        geo = Geo(kind, order, dtype, num_layers=2, num_blocks=12, block_size=16, num_heads=4,
+                  head_size=head_size)
+        check_pack_unpack(rng, geo, random_ids(rng, 12, 7), shift=shift)
+        check_pack_unpack(rng, geo, random_ids(rng, 12, 7), num_tokens=6 * 16 + 5, shift=shift)
+
+
+@pytest.mark.parametrize("shift", [0, 16], ids=["aligned", "shift16"])
+@pytest.mark.parametrize("name", ["flip_order", "bs24", "head_slice", "head_slice_bs24_flip", "bs1"])
+@pytest.mark.parametrize(("kind", "order"), [("flash_attn", "NHD"), ("flash_attn", "HND")])
+def test_transforms(rng, kind, order, name, shift):
+    assert name in TRANSFORMS
+    geo = Geo(kind, order, "bf16", num_layers=2, num_blocks=10, block_size=16, num_heads=4, head_size=64)
+    layout, offset = transform(geo, name)
+    check_pack_unpack(rng, geo, random_ids(rng, 10, 6), layout=layout, num_tokens=5 * 16 + 9,
+                      head_offset=offset, shift=shift)
+
+
+@pytest.mark.parametrize("shift", [0, 16], ids=["aligned", "shift16"])
+@pytest.mark.parametrize("head_size", [64, 128, 40])
+@pytest.mark.parametrize(("kind", "layout"), VLLM_CASES, ids=[f"{k}-{lay}" for k, lay in VLLM_CASES])
+def test_vllm_pages(rng, kind, layout, head_size, shift):
+    """vLLM 0.32 pages: FlashAttention rows of K and V interleaved (copied in row lanes when line-aligned),
+    CPU_ATTN head regions; with 8 heads a row-lane step holds 4 heads, with 6 a step is partial."""
+    for heads in (8, 6):
+        geo = Geo(kind, "NHD", "bf16", layout=layout, num_layers=2, num_blocks=9, block_size=16,
+                  num_heads=heads, head_size=head_size)
+        check_pack_unpack(rng, geo, random_ids(rng, 9, 5), shift=shift)
+        if kind != "vllm_cpu_attn":
+            check_pack_unpack(rng, geo, random_ids(rng, 9, 5), num_tokens=4 * 16 + 3, shift=shift)
