@@ -26,12 +26,13 @@ within a round, with their spread (``ratio_spread``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,52 +249,63 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     total = args.blocks + args.spare_blocks
     config = {"staging_chunk_bytes": int(chunk_mib * (1 << 20)), "staging_chunks": max(4, 2 * depth),
               "pipeline_depth": depth}
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(child, shape, args.layers, total, args.seed, config), daemon=True)
-    owner.start()
     reader: _Reader | None = None
     results = []
+    with owner_process(_owner, (shape, args.layers, total, args.seed, config), 120) as address:
+        try:
+            reader = _Reader(shape, args, total, config, address)
+            source = None if args.no_verify else _layers(shape, args.layers, total, args.seed)
+            rng = np.random.default_rng(args.seed + 1)
+            g = reader.cache.geometry
+            for pattern in patterns:
+                lids, rids = _ids(pattern, args.blocks, total, rng)
+                nbytes = args.blocks * g.num_planes * g.piece_bytes
+                samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(_native, nbytes))
+                if source is not None and not all(verified.values()):
+                    raise AssertionError(f"{shape.name} {pattern}: wrong bytes read by {verified}")
+                times = medians(samples)
+                ratios, spreads = speedups(samples, PAIRS)
+                ratios["auto_vs_best"], spreads["auto_vs_best"], best = _auto_vs_best(samples)
+                descriptors = dict(reader.descriptors)
+                results.append({
+                    "shape": shape.name, "pattern": pattern, "layers": args.layers,
+                    "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "block_size": shape.block_size,
+                    "chunk_mib": chunk_mib, "depth": depth, "bytes": nbytes,
+                    "pieces": args.blocks * g.num_planes, "bytes_per_piece": g.piece_bytes,
+                    "descriptors": descriptors,
+                    "bytes_per_descriptor": {k: round(nbytes / v) for k, v in descriptors.items() if v},
+                    "rounds": args.repeat,
+                    "seconds": {name: float(f"{t:.6g}") for name, t in times.items()},
+                    "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
+                    **ratios,
+                    "ratio_spread": spreads,
+                    "auto_paths": dict(reader.auto_paths), "auto_reason": reader.auto_reason, "best_path": best,
+                    "verified": verified,
+                })
+        finally:
+            if reader is not None:
+                reader.close()
+    return results
+
+
+@contextlib.contextmanager
+def owner_process(target: Callable[..., None], args: tuple[Any, ...], start_s: float) -> Iterator[Any]:
+    """The owner in a spawned process (``target(pipe, *args)`` sends what the reader needs, then waits for
+    "stop"): yields what it sent; stopped (killed if it will not) on the way out."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=target, args=(child, *args), daemon=True)
+    owner.start()
     try:
-        if not parent.poll(120):
-            raise RuntimeError("the owner process did not start within 120 s")
-        reader = _Reader(shape, args, total, config, parent.recv())
-        source = None if args.no_verify else _layers(shape, args.layers, total, args.seed)
-        rng = np.random.default_rng(args.seed + 1)
-        g = reader.cache.geometry
-        for pattern in patterns:
-            lids, rids = _ids(pattern, args.blocks, total, rng)
-            nbytes = args.blocks * g.num_planes * g.piece_bytes
-            samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(_native, nbytes))
-            if source is not None and not all(verified.values()):
-                raise AssertionError(f"{shape.name} {pattern}: wrong bytes read by {verified}")
-            times = medians(samples)
-            ratios, spreads = speedups(samples, PAIRS)
-            ratios["auto_vs_best"], spreads["auto_vs_best"], best = _auto_vs_best(samples)
-            descriptors = dict(reader.descriptors)
-            results.append({
-                "shape": shape.name, "pattern": pattern, "layers": args.layers,
-                "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "block_size": shape.block_size,
-                "chunk_mib": chunk_mib, "depth": depth, "bytes": nbytes,
-                "pieces": args.blocks * g.num_planes, "bytes_per_piece": g.piece_bytes,
-                "descriptors": descriptors,
-                "bytes_per_descriptor": {k: round(nbytes / v) for k, v in descriptors.items() if v},
-                "rounds": args.repeat,
-                "seconds": {name: float(f"{t:.6g}") for name, t in times.items()},
-                "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
-                **ratios,
-                "ratio_spread": spreads,
-                "auto_paths": dict(reader.auto_paths), "auto_reason": reader.auto_reason, "best_path": best,
-                "verified": verified,
-            })
+        if not parent.poll(start_s):
+            raise RuntimeError(f"the owner process did not start within {start_s:.0f} s")
+        yield parent.recv()
     finally:
-        if reader is not None:
-            reader.close()
-        parent.send("stop")
+        with contextlib.suppress(OSError):
+            parent.send("stop")
         owner.join(10)
         if owner.is_alive():
             owner.kill()
-    return results
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import multiprocessing as mp
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ import numpy.typing as npt
 from ..core.layout import CacheKind, PagedKVCache
 from .schema import envelope
 from .timing import gbps, interleaved_rounds, medians, speedups
-from .transfer import SHAPES, Shape, _floats, _ids, _layers, _names
+from .transfer import SHAPES, Shape, _floats, _ids, _layers, _names, owner_process
 
 METHODS = ("direct", "packed", "one_read", "device_copy")
 PAIRS = {"packed_vs_direct": ("packed", "direct"), "packed_vs_one_read": ("packed", "one_read"),
@@ -140,44 +139,34 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     total = args.blocks + args.spare_blocks
     config = {"staging_chunk_bytes": int(chunk_mib * (1 << 20)), "staging_chunks": max(4, 2 * depth),
               "pipeline_depth": depth}
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    owner = ctx.Process(target=_owner, args=(child, shape, args.layers, total, args.seed, config), daemon=True)
-    owner.start()
     reader: _Reader | None = None
     results = []
-    try:
-        if not parent.poll(180):
-            raise RuntimeError("the owner process did not start within 180 s")
-        address, remote_base = parent.recv()
-        reader = _Reader(cupy, shape, args, total, config, address, remote_base)
-        source = None if args.no_verify else np.stack(_layers(shape, args.layers, total, args.seed))
-        rng = np.random.default_rng(args.seed + 1)
-        g = reader.cache.geometry
-        for pattern in patterns:
-            lids, rids = _ids(pattern, args.blocks, total, rng)
-            nbytes = args.blocks * g.num_planes * g.piece_bytes
-            samples, verified = _measure(reader, lids, rids, nbytes, args.repeat, source)
-            if source is not None and not all(verified.values()):
-                raise AssertionError(f"{shape.name} {pattern}: wrong bytes moved: {verified}")
-            times = medians(samples)
-            ratios, spreads = speedups(samples, PAIRS)
-            results.append({
-                "shape": shape.name, "device": "cuda", "pattern": pattern, "layers": args.layers,
-                "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "block_size": shape.block_size,
-                "chunk_mib": chunk_mib, "depth": depth, "bytes": nbytes, "pieces": args.blocks * g.num_planes,
-                "bytes_per_piece": g.piece_bytes, "descriptors": dict(reader.descriptors), "rounds": args.repeat,
-                "seconds": {name: float(f"{t:.6g}") for name, t in times.items()},
-                "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
-                **ratios, "ratio_spread": spreads, "verified": verified,
-            })
-    finally:
-        if reader is not None:
-            reader.close()
-        parent.send("stop")
-        owner.join(10)
-        if owner.is_alive():
-            owner.kill()
+    with owner_process(_owner, (shape, args.layers, total, args.seed, config), 180) as (address, remote_base):
+        try:
+            reader = _Reader(cupy, shape, args, total, config, address, remote_base)
+            source = None if args.no_verify else np.stack(_layers(shape, args.layers, total, args.seed))
+            rng = np.random.default_rng(args.seed + 1)
+            g = reader.cache.geometry
+            for pattern in patterns:
+                lids, rids = _ids(pattern, args.blocks, total, rng)
+                nbytes = args.blocks * g.num_planes * g.piece_bytes
+                samples, verified = _measure(reader, lids, rids, nbytes, args.repeat, source)
+                if source is not None and not all(verified.values()):
+                    raise AssertionError(f"{shape.name} {pattern}: wrong bytes moved: {verified}")
+                times = medians(samples)
+                ratios, spreads = speedups(samples, PAIRS)
+                results.append({
+                    "shape": shape.name, "device": "cuda", "pattern": pattern, "layers": args.layers,
+                    "layers_in_model": shape.layers_in_model, "blocks": args.blocks, "block_size": shape.block_size,
+                    "chunk_mib": chunk_mib, "depth": depth, "bytes": nbytes, "pieces": args.blocks * g.num_planes,
+                    "bytes_per_piece": g.piece_bytes, "descriptors": dict(reader.descriptors), "rounds": args.repeat,
+                    "seconds": {name: float(f"{t:.6g}") for name, t in times.items()},
+                    "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
+                    **ratios, "ratio_spread": spreads, "verified": verified,
+                })
+        finally:
+            if reader is not None:
+                reader.close()
     return results
 
 
