@@ -123,6 +123,8 @@ void register_copies(py::module_& m) {
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("streaming_min_bytes", &streaming_min_bytes);
   m.def("set_streaming_min_bytes", &set_streaming_min_bytes, py::arg("nbytes"));
+  m.def("bytes_per_thread", &bytes_per_thread);
+  m.def("set_bytes_per_thread", &set_bytes_per_thread, py::arg("nbytes"));
   m.def("build_info", &build_info);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_launch_stats", &cuda_launch_stats);

@@ -358,7 +358,10 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 
 @pytest.fixture
 def native_threads() -> Any:
-    """Set the native thread count for one test; restore the default (usable cores) after."""
+    """Set the native thread count for one test (every copy split over all of them, however small); restore the
+    defaults (usable cores, bytes per thread) after."""
     native = pytest.importorskip("kvshuttle._native")
+    native.set_bytes_per_thread(0)
     yield native.set_num_threads
     native.set_num_threads(0)
+    native.set_bytes_per_thread(-1)

@@ -18,6 +18,16 @@ std::atomic<int64_t> g_streaming_min_bytes{kDefaultStreamingMinBytes};
 
 using Copier = RunCopier;
 
+// A second thread pays off only for copies of a few MiB: waking it costs tens of microseconds on a VM, about
+// what one thread copies in 1 MiB, and a packed read copies its chunks while the other core runs the READ.
+constexpr int64_t kDefaultBytesPerThread = 2 << 20;
+std::atomic<int64_t> g_bytes_per_thread{kDefaultBytesPerThread};
+
+int threads_for(int64_t nbytes) {
+  const int64_t per = g_bytes_per_thread.load(std::memory_order_relaxed);
+  return per <= 0 ? 1 << 30 : static_cast<int>(std::clamp<int64_t>(nbytes / per, 1, 1 << 30));
+}
+
 // The pieces of one block in the planes of one layer that an item copies together: a vLLM 0.32 FlashAttention
 // page interleaves K and V rows, so copying both planes row by row reads the page in order.
 constexpr int64_t kMaxGroupPlanes = 2;
@@ -172,7 +182,7 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
     }
     copy.flush();
     if (streaming) store_fence();
-  });
+  }, threads_for(total_bytes));
 }
 
 int64_t streaming_min_bytes() { return g_streaming_min_bytes.load(); }
@@ -181,11 +191,17 @@ void set_streaming_min_bytes(int64_t nbytes) {
   g_streaming_min_bytes.store(nbytes < 0 ? kDefaultStreamingMinBytes : nbytes);
 }
 
+int64_t bytes_per_thread() { return g_bytes_per_thread.load(); }
+
+void set_bytes_per_thread(int64_t nbytes) {
+  g_bytes_per_thread.store(nbytes < 0 ? kDefaultBytesPerThread : nbytes);
+}
+
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes) {
   parallel_for(nbytes, [&](int64_t begin, int64_t end) {
     std::memcpy(reinterpret_cast<char*>(dst) + begin, reinterpret_cast<const char*>(src) + begin,
                 static_cast<size_t>(end - begin));
-  });
+  }, threads_for(nbytes));
 }
 
 }  // namespace kvshuttle

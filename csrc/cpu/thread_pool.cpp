@@ -35,9 +35,9 @@ class ThreadPool {
   }
   int size() const { return size_; }
 
-  void run(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  void run(int64_t n, int max_threads, const std::function<void(int64_t, int64_t)>& fn) {
     if (n <= 0) return;
-    const int chunks = static_cast<int>(std::min<int64_t>(size_, n));
+    const int chunks = static_cast<int>(std::min<int64_t>({size_, n, std::max(1, max_threads)}));
     if (chunks == 1) {
       fn(0, n);
       return;
@@ -131,6 +131,8 @@ void set_num_threads(int n) {
   g_requested_threads = std::max(0, n);
 }
 
-void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn) { pool()->run(n, fn); }
+void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int max_threads) {
+  pool()->run(n, max_threads, fn);
+}
 
 }  // namespace kvshuttle

@@ -16,6 +16,11 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
 int64_t streaming_min_bytes();
 void set_streaming_min_bytes(int64_t nbytes);
 
+// A copy (pack, unpack, parallel_memcpy) uses one pool thread per this many bytes, at least one, at most the
+// pool's size. 0: always the whole pool (tests); a negative value restores the default (2 MiB).
+int64_t bytes_per_thread();
+void set_bytes_per_thread(int64_t nbytes);
+
 // memcpy of nbytes split over the same pool: the physical baseline the benchmarks compare against.
 void parallel_memcpy(uint64_t dst, uint64_t src, int64_t nbytes);
 
