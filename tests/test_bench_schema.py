@@ -59,6 +59,9 @@ def test_every_bench_prints_the_same_envelope(bench: str) -> None:
     _check_results(result)
     assert result["bench"] == bench and result["command"].startswith(f"kvshuttle bench {bench} ")
     assert result["command"].endswith("--json") and result["machine"]["cpus"] >= 1
+    assert tuple(result["machine"]) == schema.MACHINE_KEYS + schema.MACHINE_DETAIL_KEYS
+    llc = result["machine"]["llc_bytes"]
+    assert llc is None or (isinstance(llc, int) and llc >= 1 << 10)  # a cache size, however the kernel spells it
     if bench != "policy":
         assert all(row.get("verified") not in (False, None) for row in result["results"])
 

@@ -45,6 +45,8 @@ SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("bench", "schema", "version", "commit", "command", "machine", "config", "note", "results",
                   "summary", "seconds")
 MACHINE_KEYS = ("cpus", "usable_cpus", "native_threads", "gpu", "python", "arch", "load_avg")
+# Written since issue 19 (files made before lack them): tell a faster machine from a faster kvshuttle.
+MACHINE_DETAIL_KEYS = ("cpu_model", "llc_bytes")
 _NOT_CONFIG = ("command", "bench", "module", "json")
 
 
@@ -65,7 +67,37 @@ def machine(gpu: str | None = None) -> dict[str, Any]:
     except OSError:  # pragma: no cover - not available
         load = None
     return {"cpus": os.cpu_count(), "usable_cpus": usable, "native_threads": threads, "gpu": gpu,
-            "python": platform.python_version(), "arch": platform.machine(), "load_avg": load}
+            "python": platform.python_version(), "arch": platform.machine(), "load_avg": load,
+            "cpu_model": _cpu_model(), "llc_bytes": _llc_bytes()}
+
+
+def _cpu_model() -> str | None:
+    """The CPU's model name (Linux /proc/cpuinfo), or None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _llc_bytes() -> int | None:
+    """The size of the last-level cache cpu0 sees (Linux sysfs), or None."""
+    levels = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"))
+    best: tuple[int, int] | None = None
+    for index in levels:
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        nbytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+        if best is None or level > best[0]:
+            best = (level, nbytes)
+    return None if best is None else best[1]
 
 
 def command_line(bench: str, args: argparse.Namespace,
@@ -134,7 +166,8 @@ def check(result: Mapping[str, Any]) -> None:
         raise ValueError(f"top-level keys {tuple(result)}, expected {TOP_LEVEL_KEYS}")
     if result["schema"] != SCHEMA_VERSION:
         raise ValueError(f"schema {result['schema']}, expected {SCHEMA_VERSION}")
-    if tuple(result["machine"]) != MACHINE_KEYS:
-        raise ValueError(f"machine keys {tuple(result['machine'])}, expected {MACHINE_KEYS}")
+    keys = tuple(result["machine"])
+    if keys not in (MACHINE_KEYS, MACHINE_KEYS + MACHINE_DETAIL_KEYS):
+        raise ValueError(f"machine keys {keys}, expected {MACHINE_KEYS} (+ {MACHINE_DETAIL_KEYS} since issue 19)")
     if not isinstance(result["results"], list) or not all(isinstance(r, Mapping) for r in result["results"]):
         raise ValueError("results must be a list of dicts")
