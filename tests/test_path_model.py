@@ -54,7 +54,7 @@ def test_every_nth_decision_explores_the_slower_path() -> None:
 
 
 def test_the_estimate_follows_new_reads() -> None:
-    """The EWMA moves to a changed machine: a path that became slower loses after a few reads."""
+    """The median moves to a changed machine: a path that became slower loses after a few reads."""
     model = PathModel(threshold_bytes=32 << 10, explore_every=0)
     feed(model, "direct", 3.0)
     feed(model, "packed", 2.0)
@@ -71,6 +71,19 @@ def test_one_outlier_does_not_flip_a_settled_choice() -> None:
     feed(model, "packed", 2.0, times=5)
     feed(model, "direct", 1.0)  # one slow read (a busy spell)
     assert model.choose(KIB4, READ).path == "direct"
+
+
+def test_slow_spells_do_not_flip_a_settled_choice_but_a_changed_machine_does() -> None:
+    """Three slow reads in a row of the faster path (a shared VM's busy spell) leave it faster; a fourth of
+    the last seven, and the machine has changed: the other path wins."""
+    model = PathModel(threshold_bytes=32 << 10, explore_every=0)
+    feed(model, "direct", 3.0, times=7)
+    feed(model, "packed", 2.0, times=7)
+    feed(model, "direct", 1.0, times=3)
+    assert model.choose(KIB4, READ).path == "direct"
+    assert model.estimate("direct", KIB4, READ) == pytest.approx(3.0e9)
+    feed(model, "direct", 1.0)
+    assert model.choose(KIB4, READ).path == "packed"
 
 
 def test_buckets_keep_piece_sizes_and_read_sizes_apart() -> None:
