@@ -64,6 +64,11 @@ def test_every_bench_prints_the_same_envelope(bench: str) -> None:
     assert llc is None or (isinstance(llc, int) and llc >= 1 << 10)  # a cache size, however the kernel spells it
     if bench != "policy":
         assert all(row.get("verified") not in (False, None) for row in result["results"])
+    if bench == "transfer":  # where each packed read's time went, from its telemetry
+        for row in result["results"]:
+            stages = row["packed_stages"]
+            assert set(stages) == {"pack_s", "read_s", "unpack_s", "total_s"} and all(v > 0 for v in stages.values())
+            assert stages["total_s"] >= stages["read_s"]
 
 
 def test_command_lists_the_options_that_differ_from_the_defaults() -> None:

@@ -12,6 +12,10 @@ agent pair four ways and reports GB/s against a memcpy of the same bytes measure
   peer's path model (transfer/path_model.py), as a serving engine's earlier reads would; ``auto_vs_best`` is
   auto's speed over the faster (by median) of direct and packed, ``auto_paths`` how often it took each.
 
+``packed_stages`` gives where a packed read's time goes (medians over the timed reads, from its telemetry):
+``pack_s`` the owner's packs, ``read_s`` the chunk READs, ``unpack_s`` the unpacks, ``total_s`` the read; the
+stages overlap, so they add up to more than the total.
+
 Shapes are Qwen3-32B's (8 KV heads x 128 x bf16, 16-token blocks: 32 KiB pieces) and its TP8 shard
 (1 head: 4 KiB pieces), plus TP2 (16 KiB) and TP4 (8 KiB) on request (``--shape`` takes a comma-separated
 list; ``pieces`` is a sweep of 1-64 KiB pieces: 1 head of 32 or 64, 1-16 heads of 128), with fewer layers
@@ -196,6 +200,7 @@ class _Reader:
         self.descriptors: dict[str, int] = {}
         self.auto_paths: dict[str, int] = {}  # timed auto reads per path taken
         self.auto_reason = ""
+        self.packed_stages: dict[str, list[float]] = {"pack_s": [], "read_s": [], "unpack_s": [], "total_s": []}
 
     def read(self, name: str, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.int64]) -> None:
         if name == "raw_per_block":
@@ -208,6 +213,10 @@ class _Reader:
         if name == "auto":
             self.auto_paths[tel.path] = self.auto_paths.get(tel.path, 0) + 1
             self.auto_reason = tel.reason
+        if name == "packed":  # where a packed read's time goes (the stages overlap: they add up to more)
+            for key, seconds in (("pack_s", tel.owner_pack_time_s), ("read_s", tel.post_time_s),
+                                 ("unpack_s", tel.unpack_time_s), ("total_s", tel.transfer_time_s)):
+                self.packed_stages[key].append(seconds)
 
     def close(self) -> None:
         self.direct.close()
@@ -230,6 +239,7 @@ def _measure(reader: _Reader, lids: npt.NDArray[np.int64], rids: npt.NDArray[np.
                                             for name in METHODS}
     fns["memcpy"] = memcpy
     reader.auto_paths = {}
+    reader.packed_stages = {key: [] for key in reader.packed_stages}
     return interleaved_rounds(fns, repeat, warmup=0), verified
 
 
@@ -280,6 +290,8 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
                     **ratios,
                     "ratio_spread": spreads,
                     "auto_paths": dict(reader.auto_paths), "auto_reason": reader.auto_reason, "best_path": best,
+                    "packed_stages": {key: float(f"{statistics.median(v):.6g}") for key, v in
+                                      reader.packed_stages.items() if v},
                     "verified": verified,
                 })
         finally:
