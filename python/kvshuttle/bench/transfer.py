@@ -301,11 +301,15 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
 
 
 @contextlib.contextmanager
-def owner_process(target: Callable[..., None], args: tuple[Any, ...], start_s: float) -> Iterator[Any]:
+def owner_process(target: Callable[..., None], args: tuple[Any, ...], start_s: float,
+                  pipes: list[Any] | None = None) -> Iterator[Any]:
     """The owner in a spawned process (``target(pipe, *args)`` sends what the reader needs, then waits for
-    "stop"): yields what it sent; stopped (killed if it will not) on the way out."""
+    "stop"): yields what it sent; stopped (killed if it will not) on the way out. ``pipes``: gets this side's
+    pipe appended, for targets that answer more requests."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    if pipes is not None:
+        pipes.append(parent)
     owner = ctx.Process(target=target, args=(child, *args), daemon=True)
     owner.start()
     try:
