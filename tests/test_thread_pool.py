@@ -1,14 +1,15 @@
-"""The native copy pool (csrc/cpu/thread_pool.cpp): grains taken from a shared counter, a thread per
-``bytes_per_thread`` bytes.
+"""The native copy pool (csrc/cpu/thread_pool.cpp): equal shares over up to one thread per ``bytes_per_thread``
+bytes.
 
 Every copy must land exactly once whatever the split: the byte checks cover sizes that do not divide into the
-grains, more threads than work, concurrent callers (serialized by the pool) and a pack split over every thread
+shares, more threads than work, concurrent callers (serialized by the pool) and a pack split over every thread
 while other Python threads pack at the same time.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -25,6 +26,25 @@ def memcpy_check(rng: np.random.Generator, nbytes: int, shift: int = 0) -> None:
     _native.parallel_memcpy(dst.ctypes.data + 64, src.ctypes.data, nbytes)
     assert_bytes_equal(dst[64: 64 + nbytes], src, "copied bytes")
     assert (dst[:64] == POISON).all() and (dst[64 + nbytes:] == POISON).all(), "bytes outside the copy changed"
+
+
+def run_at_once(count: int, body: Callable[[int], None], repeat: int) -> None:
+    """``body(k)`` ``repeat`` times on each of ``count`` Python threads at once; any thread's error fails."""
+    errors: list[BaseException] = []
+
+    def loop(k: int) -> None:
+        try:
+            for _ in range(repeat):
+                body(k)
+        except BaseException as exc:  # reported below: a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
@@ -51,27 +71,14 @@ def test_concurrent_callers_each_get_their_bytes(rng, native_threads):
     sizes = [5_000 + 997 * k for k in range(8)]
     sources = [random_bytes(rng, n) for n in sizes]
     targets = [np.full(n, POISON, np.uint8) for n in sizes]
-    errors: list[BaseException] = []
-
-    def copy_many(k: int) -> None:
-        try:
-            for _ in range(40):
-                _native.parallel_memcpy(targets[k].ctypes.data, sources[k].ctypes.data, sizes[k])
-        except BaseException as exc:  # reported below: a thread's failure must fail the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=copy_many, args=(k,)) for k in range(len(sizes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_at_once(len(sizes), lambda k: _native.parallel_memcpy(targets[k].ctypes.data, sources[k].ctypes.data,
+                                                              sizes[k]), repeat=40)
     for k, (src, dst) in enumerate(zip(sources, targets, strict=True)):
         assert_bytes_equal(dst, src, f"caller {k}")
 
 
 def test_pack_on_all_threads_while_others_pack(rng, native_threads):
-    """A pack split into grains over 7 threads, with 3 more Python threads packing other blocks at once."""
+    """A pack split over 7 threads, with 3 more Python threads packing other blocks at once."""
     native_threads(7)
     geo = Geo("flash_attn", "NHD", "bf16", num_layers=4, num_blocks=24, block_size=16, num_heads=2, head_size=64)
     host = make_cache(rng, geo)
@@ -84,21 +91,7 @@ def test_pack_on_all_threads_while_others_pack(rng, native_threads):
         reference.pack(cache, ids, want, layout, ids.size * 16, 0)
         expected.append(want)
     got = [np.full(e.size, POISON, np.uint8) for e in expected]
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            for _ in range(20):
-                pack(cache, jobs[k], got[k], backend="native")
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    run_at_once(len(jobs), lambda k: pack(cache, jobs[k], got[k], backend="native"), repeat=20)
     for k in range(len(jobs)):
         assert_bytes_equal(got[k], expected[k], f"pack {k}")
     restored = make_cache(rng, geo)  # different random bytes: the unpacked blocks must become the packed ones
