@@ -1,9 +1,10 @@
 """CPU time one packed-read chunk costs, in the reader and in the owner, with chunks too small to carry data.
 
-Usage: python benchmarks/packed_chunk_cost.py [chunk KiB, default 64] [reads, default 10]
+Usage: python benchmarks/packed_chunk_cost.py [chunk KiB, default 64] [reads, default 10] > result.json
 
 Reads 256 TP8-shaped blocks (16 MiB) with the packed path in chunks of ``chunk KiB`` (256 chunks at 64 KiB) and
-prints the wall time per chunk and each process's CPU time per chunk (user + system, every thread). With 64 KiB
+prints one JSON object: the wall time per chunk and each process's CPU time per chunk (user + system, every
+thread), with the command and the machine (``kvshuttle.bench.schema.machine``). With 64 KiB
 chunks the copies take a few microseconds, so what is left is the per-chunk protocol: side-channel messages,
 NIXL transfer creation and post, the unpack thread's hand-off, each call's validation. That is what a chunk small
 enough to stay in cache would have to pay (benchmarks/README.md, "NIXL reads between two processes").
@@ -12,6 +13,7 @@ enough to stay in cache would have to pay (benchmarks/README.md, "NIXL reads bet
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import sys
 import time
@@ -19,27 +21,22 @@ from typing import Any
 
 import numpy as np
 
+from kvshuttle.bench.schema import machine, source_commit
 from kvshuttle.bench.transfer import SHAPES, _ids, _owner, _Reader, owner_process
 
 
 def _owner_reporting_cpu(conn: Any, *args: Any) -> None:
     """The bench's owner, answering "cpu" on its pipe with its own CPU seconds (between reads)."""
-    import threading
-
-    pipe_lock = threading.Lock()
 
     class Pipe:  # the owner polls its pipe for "stop"; answer "cpu" requests on the way
         def send(self, value: Any) -> None:
-            with pipe_lock:
-                conn.send(value)
+            conn.send(value)
 
         def poll(self, timeout: float) -> bool:
             if not conn.poll(timeout):
                 return False
-            message = conn.recv()
-            if message == "cpu":
-                usage = resource.getrusage(resource.RUSAGE_SELF)
-                self.send(usage.ru_utime + usage.ru_stime)
+            if conn.recv() == "cpu":
+                conn.send(_cpu())
                 return False
             return True
 
@@ -74,8 +71,13 @@ def main(argv: list[str]) -> None:
             owner_cpu = pipe.recv() - owner0
         finally:
             reader.close()
-    print(f"{chunk_kib} KiB chunks, {chunks} chunks: wall {wall / chunks * 1e6:.0f} us per chunk; CPU per chunk: "
-          f"reader {reader_cpu / chunks * 1e6:.0f} us, owner {owner_cpu / chunks * 1e6:.0f} us")
+    print(json.dumps({
+        "command": " ".join(["python", "benchmarks/packed_chunk_cost.py", *argv]), "commit": source_commit(),
+        "machine": machine(), "chunk_bytes": chunk_kib << 10, "reads": reads, "chunks": chunks,
+        "wall_us_per_chunk": round(wall / chunks * 1e6, 1),
+        "cpu_us_per_chunk": {"reader": round(reader_cpu / chunks * 1e6, 1),
+                             "owner": round(owner_cpu / chunks * 1e6, 1)},
+    }, indent=1))
 
 
 if __name__ == "__main__":
