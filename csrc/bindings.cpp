@@ -121,8 +121,8 @@ void register_copies(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("num_threads", &num_threads);
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
-  m.def("streaming_min_bytes", &streaming_min_bytes);
-  m.def("set_streaming_min_bytes", &set_streaming_min_bytes, py::arg("nbytes"));
+  m.def("streaming_min_bytes", &streaming_min_bytes, py::arg("direction"));
+  m.def("set_streaming_min_bytes", &set_streaming_min_bytes, py::arg("nbytes"), py::arg("direction"));
   m.def("bytes_per_thread", &bytes_per_thread);
   m.def("set_bytes_per_thread", &set_bytes_per_thread, py::arg("nbytes"));
   m.def("build_info", &build_info);

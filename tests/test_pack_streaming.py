@@ -1,8 +1,9 @@
 """The streaming copy path (non-temporal stores from several pages at once, csrc/cpu/run_copier.h) against the
 numpy reference, byte for byte over whole poisoned destinations.
 
-Caches of the other pack tests are far below the 16 MiB above which the native pack streams, so they run
-memcpy only; here the threshold is lowered to 0 bytes. Buffers are page-aligned (torch's and vLLM's
+Caches of the other pack tests are far below the 16 MiB above which the native pack streams, so their packs
+run memcpy only, and unpacks always stream by default; here both thresholds are lowered to 0 bytes, and one
+test raises the unpack threshold to run unpacks through memcpy. Buffers are page-aligned (torch's and vLLM's
 allocations are), so line-aligned rows take the row-lane path, and shifted by a few bytes, so heads and tails
 of runs go through memcpy; block ids are permuted, so runs come from scattered blocks.
 """
@@ -32,13 +33,21 @@ PAGE = 4096
 TAIL = 64 + 37  # staging bytes past the used part, which must stay as they were
 
 
+DIRECTIONS = (_native.Direction.PACK, _native.Direction.UNPACK)
+
+
+def set_thresholds(nbytes: int) -> None:
+    for direction in DIRECTIONS:
+        _native.set_streaming_min_bytes(nbytes, direction)
+
+
 @pytest.fixture(autouse=True)
 def streaming() -> Iterator[None]:
-    _native.set_streaming_min_bytes(0)
+    set_thresholds(0)
     try:
         yield
     finally:
-        _native.set_streaming_min_bytes(-1)
+        set_thresholds(-1)
 
 
 def placed(data: np.ndarray, shift: int) -> np.ndarray:
@@ -81,11 +90,28 @@ def check_pack_unpack(rng: np.random.Generator, geo: Geo, ids: np.ndarray, *, la
         assert_bytes_equal(got, expected, f"cache buffer {layer} (native vs reference)")
 
 
-def test_threshold_is_settable() -> None:
-    _native.set_streaming_min_bytes(12345)
-    assert _native.streaming_min_bytes() == 12345
-    _native.set_streaming_min_bytes(-1)
-    assert _native.streaming_min_bytes() == 16 << 20
+def test_thresholds_are_settable_per_direction() -> None:
+    _native.set_streaming_min_bytes(12345, _native.Direction.PACK)
+    _native.set_streaming_min_bytes(678, _native.Direction.UNPACK)
+    assert _native.streaming_min_bytes(_native.Direction.PACK) == 12345
+    assert _native.streaming_min_bytes(_native.Direction.UNPACK) == 678
+    set_thresholds(-1)
+    assert _native.streaming_min_bytes(_native.Direction.PACK) == 16 << 20
+    assert _native.streaming_min_bytes(_native.Direction.UNPACK) == 0  # unpacks stream by default
+
+
+@pytest.mark.parametrize("shift", [0, 5], ids=["aligned", "shift5"])
+@pytest.mark.parametrize(("kind", "order"), [("flash_attn", "NHD"), ("mla", "NHD")])
+def test_unpack_through_memcpy(rng, kind, order, shift):
+    """Unpacks below a raised threshold take the memcpy path, byte-exact like the streamed one."""
+    _native.set_streaming_min_bytes(1 << 40, _native.Direction.UNPACK)
+    geo = Geo(kind, order, "bf16", num_layers=2, num_blocks=12, block_size=16, num_heads=4, head_size=64)
+    check_pack_unpack(rng, geo, random_ids(rng, 12, 7), shift=shift)
+    check_pack_unpack(rng, geo, random_ids(rng, 12, 7), num_tokens=6 * 16 + 5, shift=shift)
+    for name in ("flip_order", "head_slice"):
+        layout, offset = transform(geo, name)
+        check_pack_unpack(rng, geo, random_ids(rng, 12, 6), layout=layout, num_tokens=5 * 16 + 9,
+                          head_offset=offset, shift=shift)
 
 
 @pytest.mark.parametrize("shift", [0, 16, 5], ids=["aligned", "shift16", "shift5"])

@@ -11,10 +11,15 @@
 namespace kvshuttle {
 namespace {
 
-// Large copies bypass the cache (non-temporal stores): the destination is not read again soon, and
-// skipping the read-for-ownership saves a third of the memory traffic. Small ones use memcpy.
-constexpr int64_t kDefaultStreamingMinBytes = 16 << 20;
-std::atomic<int64_t> g_streaming_min_bytes{kDefaultStreamingMinBytes};
+// Copies into memory that is not read again soon bypass the cache (non-temporal stores): skipping the
+// read-for-ownership saves a third of the memory traffic, and the cache keeps what is read next. An unpack's
+// destination is the paged cache: always streamed, so a packed read's next staging chunk stays cached
+// (a 2 MiB-chunk pipeline ran 1.5x faster). A pack's is a staging chunk the transport reads next: streamed only
+// when too large to stay cached anyway.
+constexpr int64_t kDefaultStreamingMinBytes[2] = {16 << 20, 0};  // by Direction: Pack, Unpack
+std::atomic<int64_t> g_streaming_min_bytes[2] = {kDefaultStreamingMinBytes[0], kDefaultStreamingMinBytes[1]};
+
+int direction_index(Direction direction) { return direction == Direction::Pack ? 0 : 1; }
 
 using Copier = RunCopier;
 
@@ -172,7 +177,8 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction) {
   check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
   const int64_t total_bytes = spec.num_tokens * spec.staging_heads * spec.row_bytes * spec.num_planes();
-  const bool streaming = total_bytes >= g_streaming_min_bytes.load(std::memory_order_relaxed);
+  const bool streaming =
+      total_bytes >= g_streaming_min_bytes[direction_index(direction)].load(std::memory_order_relaxed);
   parallel_for(num_ids * (spec.num_planes() / group_planes(spec)), [&](int64_t begin, int64_t end) {
     Copier copy(streaming);
     if (direction == Direction::Pack) {
@@ -185,10 +191,11 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
   }, threads_for(total_bytes));
 }
 
-int64_t streaming_min_bytes() { return g_streaming_min_bytes.load(); }
+int64_t streaming_min_bytes(Direction direction) { return g_streaming_min_bytes[direction_index(direction)].load(); }
 
-void set_streaming_min_bytes(int64_t nbytes) {
-  g_streaming_min_bytes.store(nbytes < 0 ? kDefaultStreamingMinBytes : nbytes);
+void set_streaming_min_bytes(int64_t nbytes, Direction direction) {
+  const int i = direction_index(direction);
+  g_streaming_min_bytes[i].store(nbytes < 0 ? kDefaultStreamingMinBytes[i] : nbytes);
 }
 
 int64_t bytes_per_thread() { return g_bytes_per_thread.load(); }

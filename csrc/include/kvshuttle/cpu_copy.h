@@ -11,10 +11,12 @@ namespace kvshuttle {
 void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction);
 
-// Copies of at least this many bytes in all use non-temporal stores, from several source pages at once
-// (csrc/cpu/run_copier.h); smaller ones use memcpy. A negative value restores the default (16 MiB).
-int64_t streaming_min_bytes();
-void set_streaming_min_bytes(int64_t nbytes);
+// Copies in `direction` of at least this many bytes in all use non-temporal stores, from several source pages
+// at once (csrc/cpu/run_copier.h); smaller ones use memcpy. Defaults: packs from 16 MiB (a small staging chunk is
+// read next by the transport, from the cache), unpacks always (the paged cache is not read again soon, and a
+// packed read's staging chunk stays in the cache for the next one). A negative value restores the default.
+int64_t streaming_min_bytes(Direction direction);
+void set_streaming_min_bytes(int64_t nbytes, Direction direction);
 
 // A copy (pack, unpack, parallel_memcpy) uses one pool thread per this many bytes, at least one, at most the
 // pool's size. 0: always the whole pool (tests); a negative value restores the default (2 MiB).
