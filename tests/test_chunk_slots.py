@@ -200,7 +200,8 @@ def late_pair(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     owner = TransferEngine(source.cache(), EngineConfig(**CONFIG))
     reader = TransferEngine(target.cache(), EngineConfig(**CONFIG))
     packs, unpacks = LateExecutor(), LateExecutor(fail_at=fail_at)
-    owner.packs, reader.unpacks = packs, unpacks  # before serve(): the owner's service takes its executor
+    owner.packs = packs  # before serve(): the owner's service takes its executor
+    reader.unpacks = reader.last_unpacks = unpacks  # the last chunk too (it unpacks on the pipeline's thread)
     released: list[list[int]] = []
     pool_release = reader.pool.release
 

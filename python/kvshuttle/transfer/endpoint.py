@@ -22,6 +22,7 @@ from .errors import TransferArgumentError, TransferError
 from .executors import CopyExecutor, HostExecutor, executor_for, import_cupy
 from .staging import StagingPool
 from .transfer_handle import TransferHandle, TransferState
+from .workers import Workers
 
 if TYPE_CHECKING:
     from .owner_service import OwnerService
@@ -77,11 +78,16 @@ class Endpoint:
         self.pool_mem, self.pool_device = mem_type_of(self.pool.view.device)
         # Packs (owner) run on the calling job thread or a CUDA stream; unpacks (reader) on the unpack thread or
         # another stream: the pipeline's bookkeeping is the same for both (chunk_slots.py).
+        # A read's last chunk unpacks on its pipeline thread: no READ is left to overlap, so the hand-off to the
+        # unpack thread and back would only add its two wake-ups.
         self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-unpack")
         self.packs: CopyExecutor = HostExecutor()
         self.unpacks: CopyExecutor = HostExecutor(self._unpacker)
+        self.last_unpacks: CopyExecutor = self.packs
         if cache.is_cuda and self.pool.slots:
             self.packs, self.unpacks = executor_for(cache), executor_for(cache)
+            self.last_unpacks = self.unpacks
+        self.pipelines = Workers("kvshuttle-read")  # the packed reads' pipelines (owners: their pack jobs)
         self._agent = NixlAgent(config.name, config.backends, num_threads=config.num_threads,
                                 progress_delay_us=config.progress_delay_us)
         self._registrations: list[NixlRegistration] = []
@@ -138,6 +144,7 @@ class Endpoint:
                     agent.deregister(registration)
             except NixlCallError as exc:
                 log.warning("kvshuttle: releasing NIXL objects of %s failed: %s", self.name, exc)
+        self.pipelines.close()
         self._unpacker.shutdown(wait=True)
         self._zmq.term()
 

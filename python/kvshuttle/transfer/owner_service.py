@@ -6,12 +6,12 @@ name a live claim and only blocks that claim covers (when the owner keeps a ledg
 unguessable capability that only ever travelled, encrypted, to the peer that claimed. A pack's chunks must fit a
 staging slot, and one connection may hold at most ``max_jobs`` packs in progress.
 
-A ``pack`` request starts a :class:`PackJob` thread. The job packs chunk after chunk into the staging
-slots it reserved (on the host, or on a CUDA stream: ``executors.py``), announces each (``ready``) once its pack
-completed and reuses a slot when the reader ``release``\\ s it (``chunk_slots.py``), so the
-owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on
-``abort``, or when a ready chunk is not released within the staging lease (the reader died); its slots
-always go back to the pool.
+A ``pack`` request starts a :class:`PackJob` on a kept thread (``workers.py``). The job packs chunk after chunk
+into the staging slots it reserved (on the host, or on a CUDA stream: ``executors.py``), announces each
+(``ready``) once its pack completed and reuses a slot when the reader ``release``\\ s it (``chunk_slots.py``), so
+the owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on ``abort``,
+or when a ready chunk is not released within the staging lease (the reader died); its slots always go back to
+the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .executors import CopyExecutor, HostExecutor
 from .side_channel import SideChannelServer
 from .staging import Chunk, StagingPool, layout_from_wire, plan_chunks
 from .wire import PROTOCOL_VERSION, PeerInfo, field
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 MAX_WINDOW = 64  # staging slots one pack may hold at once (the pool's size bounds it further)
@@ -62,7 +63,7 @@ def _validate(cache: PagedKVCache, slot_bytes: int, request: dict[str, Any]) -> 
 
 
 class PackJob:
-    """Packs one reader's request chunk by chunk into reserved staging slots (runs on its own thread).
+    """Packs one reader's request chunk by chunk into reserved staging slots (runs on a worker thread).
 
     Each pack is submitted to the service's executor (host: done at once; CUDA: enqueued on its stream), and
     a chunk is announced only once its pack completed; its slot is held until the reader releases the chunk
@@ -84,7 +85,7 @@ class PackJob:
         self._slots = ChunkSlots(slots)  # guarded by _cond: the side channel's thread releases chunks
         self._cond = threading.Condition()
         self._aborted = False
-        self.thread = threading.Thread(target=self._run, name=f"kvshuttle-pack-{tid}", daemon=True)
+        self.finished: threading.Event | None = None  # set when run() returned (see OwnerService.close)
 
     def release(self, chunk: int) -> None:
         with self._cond:
@@ -132,7 +133,7 @@ class PackJob:
         if self.service.pack_delay_s:
             time.sleep(self.service.pack_delay_s)
 
-    def _run(self) -> None:
+    def run(self) -> None:
         emitter = self.service.server.emitter() if self.service.server else None
         pool = self.service.pool
         waiting = deque(self.chunks)
@@ -200,6 +201,7 @@ class OwnerService:
         self.server: SideChannelServer | None = None
         self._jobs: dict[tuple[bytes, str], PackJob] = {}
         self._lock = threading.Lock()
+        self._workers = Workers("kvshuttle-pack")
 
     @property
     def active_jobs(self) -> int:
@@ -216,7 +218,9 @@ class OwnerService:
         for job in jobs:
             job.abort()
         for job in jobs:
-            job.thread.join(timeout)
+            if job.finished is not None:
+                job.finished.wait(timeout)
+        self._workers.close()
 
     def answer(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any] | None:
         """One authenticated peer's request (``identity``: its connection) -> the reply, or None for none."""
@@ -292,5 +296,10 @@ class OwnerService:
             return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
         with self._lock:
             self._jobs[(identity, tid)] = job
-        job.thread.start()
+        try:
+            job.finished = self._workers.submit(job.run)
+        except RuntimeError as exc:  # closing
+            self.forget(identity, tid)
+            self.pool.release(slots)
+            return {"op": "error", "tid": tid, "kind": "closing", "message": str(exc)}
         return {"op": "packing", "tid": tid, "chunks": len(job.chunks), "slots": len(slots)}

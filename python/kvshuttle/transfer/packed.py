@@ -40,6 +40,7 @@ from .side_channel import Connection, ConnectionLender
 from .staging import Chunk, StagingPool, layout_to_wire
 from .transfer_handle import Outcome, TransferHandle, TransferState, TransferTelemetry
 from .wire import NOTIF_PREFIX
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class PackedSetup:
     remote_mem: MemType
     remote_device: int
     unpacker: CopyExecutor  # the unpack thread (host caches) or a CUDA stream (device caches)
+    last_unpacker: CopyExecutor  # for the last chunk: the pipeline's own thread (host caches) or the stream
+    workers: Workers  # the threads pipelines run on
     local_ids: npt.NDArray[np.int64]
     remote_ids: npt.NDArray[np.int64]
     num_tokens: int
@@ -148,15 +151,20 @@ class _Pipeline:
             setup.peer.mark_lost(str(exc))
             raise PeerLostError(f"cannot send the pack request to {setup.address}: {exc}",
                                 setup.local_ids) from exc
-        self._thread = threading.Thread(target=self._run, name=f"kvshuttle-read-{transfer_id}", daemon=True)
+        self._runner: int | None = None  # the worker thread running this pipeline
+        self._finished: threading.Event | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        try:
+            self._finished = self._s.workers.submit(self._run)
+        except RuntimeError as exc:  # the engine closed meanwhile
+            self._cleanup(self._conn, ChunkSlots(self._slots), send_abort=True, healthy=True)
+            raise TransferError(f"packed transfer {self.transfer_id}: {exc}", self._s.local_ids) from None
 
     def stop(self) -> None:
         self.stop_flag.set()
-        if threading.current_thread() is not self._thread and self._thread.is_alive():
-            self._thread.join()
+        if self._finished is not None and threading.get_ident() != self._runner:
+            self._finished.wait()
 
     def invalid_ids(self) -> tuple[int, ...]:
         with self._done_lock:
@@ -171,6 +179,7 @@ class _Pipeline:
 
     # -- pipeline -------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        self._runner = threading.get_ident()
         s = self._s
         conn = self._conn
         slots = ChunkSlots(self._slots)  # a slot is read into again only once its unpack completed
@@ -279,7 +288,8 @@ class _Pipeline:
         finally:
             s.agent.release(xfer)
         conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk.index})
-        slots.start(chunk.index, slot, s.unpacker.unpack(
+        last = len(self._done_chunks) + slots.copying + 1 == len(s.chunks)  # no READ left to overlap
+        slots.start(chunk.index, slot, (s.last_unpacker if last else s.unpacker).unpack(
             s.pool.array(slot, chunk.nbytes), s.cache, s.local_ids[chunk.local], num_tokens=chunk.num_tokens,
             layout=s.layout, head_offset=s.local_head_offset), hold=False)
 
