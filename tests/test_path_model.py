@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshuttle.transfer.path_model import MIN_BYTES, PathModel, bucket_of
+from kvshuttle.transfer.path_model import PathModel, bucket_of
 
 MIB = 1 << 20
 READ = 64 * MIB  # bytes of the reads below
@@ -100,11 +100,23 @@ def test_buckets_keep_piece_sizes_and_read_sizes_apart() -> None:
     assert bucket_of(0.5, 1) == (0, 0)
 
 
-def test_small_and_unknown_reads_are_not_recorded() -> None:
+def test_unknown_untimed_and_empty_reads_are_not_recorded() -> None:
     model = PathModel(threshold_bytes=32 << 10)
-    model.record("direct", KIB4, MIN_BYTES - 1, 1e-3)
     model.record("direct", KIB4, READ, 0.0)
     model.record("layered", KIB4, READ, 1e-3)
-    assert model.estimate("direct", KIB4, MIN_BYTES - 1) is None
-    assert model.estimate("direct", KIB4, READ) is None
+    model.record("direct", KIB4, 0, 1e-3)
+    assert model.estimate("direct", KIB4, READ) is None and model.estimate("direct", KIB4, 0) is None
     assert model.choose(KIB4, READ).path == "packed"
+
+
+def test_small_reads_are_decided_by_their_own_measurements() -> None:
+    """A 256 KiB read of 4 KiB pieces: the prior says packed, but its fixed costs make it slower than direct."""
+    model = PathModel(threshold_bytes=32 << 10, explore_every=0)
+    small = 256 << 10
+    assert model.choose(KIB4, small).path == "packed"
+    model.record("packed", KIB4, small, 2.5e-3)
+    assert model.choose(KIB4, small).path == "direct"  # exploring the other path
+    model.record("direct", KIB4, small, 0.8e-3)
+    choice = model.choose(KIB4, small)
+    assert choice.path == "direct" and "measured faster" in choice.reason
+    assert model.choose(KIB4, READ).path == "packed"  # a large read of the same pieces keeps its own bucket

@@ -5,7 +5,9 @@ A fixed threshold on descriptor size cannot be right everywhere: where UCX handl
 elsewhere it wins by 3x. So each peer keeps the effective bytes/s (bytes / wall time from ``read()`` to the data
 in the cache) of the last ``WINDOW`` finished reads, per path and per *bucket*, and compares their medians. A
 bucket holds reads alike in bytes per descriptor after coalescing (what a direct read pays per descriptor) and in
-total bytes (what a packed read's pipeline fills), each bucket a power of two of both.
+total bytes (what a packed read's pipeline fills), each bucket a power of two of both. Small reads are recorded
+too: their fixed costs are what decides them (a packed read of 256 KiB took 3x a direct one, its pack request
+and thread hand-offs, when the prior sent it packed).
 
 Choosing, for a bucket:
 
@@ -31,7 +33,6 @@ DIRECT, PACKED = "direct", "packed"
 # up to 3 outliers (a shared VM's slow spells) do not move it. An EWMA (weight 0.3) flipped to the slower path
 # after two slow reads in a row: auto 0.80x the faster path on a 1,536-block run.
 WINDOW = 7
-MIN_BYTES = 1 << 20  # reads smaller than this are timed mostly in fixed costs: their rate is not recorded
 
 
 def bucket_of(bytes_per_descriptor: float, total_bytes: int) -> tuple[int, int]:
@@ -74,16 +75,15 @@ class PathChoice:
 class PathModel:
     """Per-peer measurements of both read paths; thread-safe (reads finish on pipeline threads)."""
 
-    def __init__(self, threshold_bytes: int, explore_every: int = 16, min_bytes: int = MIN_BYTES) -> None:
+    def __init__(self, threshold_bytes: int, explore_every: int = 16) -> None:
         self.threshold_bytes = threshold_bytes
         self.explore_every = explore_every  # 0: never re-explore once both paths are measured
-        self.min_bytes = min_bytes  # smaller reads are not recorded
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._lock = threading.Lock()
 
     def record(self, path: str, bytes_per_descriptor: float, total_bytes: int, seconds: float) -> None:
-        """Fold one finished read into its bucket (ignored when too small or timed at zero)."""
-        if path not in (DIRECT, PACKED) or seconds <= 0 or total_bytes < self.min_bytes:
+        """Fold one finished read into its bucket (ignored when empty or timed at zero)."""
+        if path not in (DIRECT, PACKED) or seconds <= 0 or total_bytes <= 0:
             return
         with self._lock:
             b = self._buckets.setdefault(bucket_of(bytes_per_descriptor, total_bytes), _Bucket())
