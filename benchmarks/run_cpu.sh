@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerate every CPU benchmark JSON in benchmarks/results/, one command each, named <machine>_<bench>.json.
 # The 2-core VM kind has differed between sessions: vm3_* (2-vCPU AMD EPYC, 32 MiB L3: pack, transfer, the piece
-# sweep and 1,536 blocks, issue 19's second session), vm2_* (2-vCPU Xeon, 480 MiB L3: everything else),
-# vm2old_* (an earlier VM) and vm2_pack_cpu_before.json (main's copy code at 7957465) are kept as they are.
+# sweep, 1,536 blocks, small reads, the packed pipeline's chunk cost and bound: issue 19's sessions), vm2_*
+# (2-vCPU Xeon, 480 MiB L3: everything else), vm2old_* (an earlier VM), vm2_pack_cpu_before.json (main's copy
+# code at 7957465) and vm3_transfer_small_before.json (main at 0857aa8) are kept as they are.
 # Usage: bash benchmarks/run_cpu.sh [outdir] [machine]   (defaults: benchmarks/results, vm3; 6-10 minutes on 2 vCPUs)
 # The GPU files (h200*) come from benchmarks/gpu_check.sh on a GPU machine.
 # vm2_e2e.json needs the vLLM environment: see "End to end in vLLM" in benchmarks/README.md for its command.
@@ -17,6 +18,11 @@ kvshuttle bench pack --repeat 15 --json > "$out/${m}_pack_cpu.json"
 kvshuttle bench transfer --repeat 25 --json > "$out/${m}_transfer.json"
 kvshuttle bench transfer --shape pieces --pattern scattered --repeat 25 --json > "$out/${m}_transfer_sweep.json"
 kvshuttle bench transfer --blocks 1536 --repeat 9 --json > "$out/${m}_transfer_1536.json"
+kvshuttle bench transfer --blocks 4 --repeat 25 --json > "$out/${m}_transfer_small.json"
+kvshuttle bench transfer --shape qwen3-32b-tp1 --pattern scattered --chunk-mib 2,16 --json \
+  > "$out/${m}_transfer_chunks_tp1.json"
+python3 benchmarks/packed_chunk_cost.py 64 10 > "$out/${m}_packed_chunk_cost.json"
+python3 benchmarks/packed_bound.py 15 > "$out/${m}_packed_bound.json"
 kvshuttle bench transfer --shape qwen3-32b-tp8 --pattern scattered --blocks 1536 --chunk-mib 1,4,16 --depth 2,4 \
   --repeat 5 --json > "$out/${m}_transfer_chunks.json"
 kvshuttle bench transfer --shape qwen3-32b-tp1,qwen3-32b-tp2,qwen3-32b-tp4,qwen3-32b-tp8 --pattern scattered \
