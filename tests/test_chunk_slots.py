@@ -23,7 +23,7 @@ from kvshuttle.errors import BackendError, BlockIdError
 from kvshuttle.transfer.chunk_slots import ChunkSlots
 from kvshuttle.transfer.executors import CudaExecutor, Finished, HostExecutor, executor_for
 from late_copies import LateExecutor
-from transfer_helpers import block_bytes, token_bytes
+from transfer_helpers import block_bytes, in_process_pair, token_bytes
 
 
 class Manual:
@@ -183,7 +183,7 @@ def test_the_cuda_executor_without_cupy_is_a_named_error(monkeypatch: pytest.Mon
 pytest.importorskip("nixl._api")
 pytest.importorskip("zmq")
 
-from kvshuttle.transfer import EngineConfig, TransferEngine, TransferError  # noqa: E402
+from kvshuttle.transfer import TransferError  # noqa: E402
 
 BASE = Geo(kind="flash_attn", order="NHD", dtype="float16", num_layers=2, num_blocks=32, block_size=16,
            num_heads=4, head_size=32)  # 4 KiB pieces; 32 KiB chunks hold two blocks
@@ -193,12 +193,7 @@ CONFIG = {"staging_chunk_bytes": 32 << 10, "staging_chunks": 4, "connect_timeout
 @pytest.fixture
 def late_pair(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     owner_geo, reader_geo, fail_at = request.param
-    source = make_cache(np.random.default_rng(11), owner_geo)
-    target = make_cache(np.random.default_rng(12), reader_geo)
-    for raw in target.raws:
-        raw[:] = POISON
-    owner = TransferEngine(source.cache(), EngineConfig(**CONFIG))
-    reader = TransferEngine(target.cache(), EngineConfig(**CONFIG))
+    source, target, owner, reader = in_process_pair(owner_geo, reader_geo, (11, 12), CONFIG)
     packs, unpacks = LateExecutor(), LateExecutor(fail_at=fail_at)
     owner.packs = packs  # before serve(): the owner's service takes its executor
     reader.unpacks = reader.last_unpacks = unpacks  # the last chunk too (it unpacks on the pipeline's thread)

@@ -11,12 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import POISON, Geo, make_cache
+from conftest import Geo
 from kvshuttle.core import ops
-from kvshuttle.transfer import EngineConfig, TransferEngine
 from kvshuttle.transfer.executors import HostExecutor
 from kvshuttle.transfer.workers import Workers
-from transfer_helpers import block_bytes
+from transfer_helpers import block_bytes, in_process_pair
 
 
 def _until(condition, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
@@ -96,12 +95,7 @@ CONFIG = {"staging_chunk_bytes": 32 << 10, "staging_chunks": 4, "connect_timeout
 
 
 def test_packed_reads_one_after_another_reuse_one_thread_on_each_side() -> None:
-    source = make_cache(np.random.default_rng(3), GEO)
-    target = make_cache(np.random.default_rng(4), GEO)
-    for raw in target.raws:
-        raw[:] = POISON
-    owner = TransferEngine(source.cache(), EngineConfig(**CONFIG))
-    reader = TransferEngine(target.cache(), EngineConfig(**CONFIG))
+    source, target, owner, reader = in_process_pair(GEO, GEO, (3, 4), CONFIG)
     try:
         peer = reader.connect(owner.serve())
         service = owner._owner
@@ -138,10 +132,7 @@ class _Spy:
 
 
 def test_the_last_chunk_unpacks_on_the_pipeline_thread_the_others_on_the_unpack_thread() -> None:
-    source = make_cache(np.random.default_rng(6), GEO)
-    target = make_cache(np.random.default_rng(7), GEO)
-    owner = TransferEngine(source.cache(), EngineConfig(**CONFIG))
-    reader = TransferEngine(target.cache(), EngineConfig(**CONFIG))
+    source, target, owner, reader = in_process_pair(GEO, GEO, (6, 7), CONFIG)
     pool = ThreadPoolExecutor(1, thread_name_prefix="spy-unpack")
     reader.unpacks, reader.last_unpacks = _Spy(HostExecutor(pool)), _Spy(HostExecutor())
     try:

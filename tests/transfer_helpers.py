@@ -51,6 +51,20 @@ def token_bytes(cache: HostCache, ids: Any, num_tokens: int, head_offset: int = 
     return np.stack([cache.canonical(layer)[:, blocks, slots, h] for layer in range(geo.num_layers)])
 
 
+def in_process_pair(owner_geo: Geo, reader_geo: Geo, seeds: tuple[int, int], config: dict[str, Any]) -> tuple[
+        HostCache, HostCache, Any, Any]:
+    """(source, poisoned target, owner engine, reader engine): two engines of this process over fresh caches."""
+    from conftest import POISON
+    from kvshuttle.transfer import EngineConfig, TransferEngine
+
+    source = make_cache(np.random.default_rng(seeds[0]), owner_geo)
+    target = make_cache(np.random.default_rng(seeds[1]), reader_geo)
+    for raw in target.raws:
+        raw[:] = POISON
+    return source, target, TransferEngine(source.cache(), EngineConfig(**config)), \
+        TransferEngine(target.cache(), EngineConfig(**config))
+
+
 def block_bytes(cache: HostCache, ids: Any) -> Bytes:
     """``[L, P, n, B, H, D, itemsize]`` bytes of whole blocks ``ids``."""
     ids = np.asarray(ids, dtype=np.int64)
