@@ -1,8 +1,8 @@
 """Daemon threads kept for the next task: the packed path's pack jobs (owner) and read pipelines (reader).
 
-Starting a thread cost 0.35 ms on the 2-vCPU VM, a fifth of a one-block packed read, paid on both sides; a kept
-thread takes the next task from a queue in tens of microseconds. A task never waits behind another: when no
-kept thread is idle a new one starts (the tasks are bounded anyway: each holds staging slots). Daemon threads,
+Starting a thread cost 0.35 ms on the 2-vCPU VM (an instrumented one-off run, not a bench row), paid on both
+sides of every packed read; a kept thread takes the next task from a queue. A task never waits behind another:
+when no kept thread is idle a new one starts (the tasks are bounded anyway: each holds staging slots). Daemon threads,
 unlike ``ThreadPoolExecutor``'s, never hold up the interpreter's exit behind a task waiting on a dead peer.
 """
 
