@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 
+#include "kvshuttle/async_copier.h"
 #include "kvshuttle/build_info.h"
 #include "kvshuttle/cpu_copy.h"
 #include "kvshuttle/cuda_copy.h"
@@ -71,6 +72,7 @@ void register_types(py::module_& m) {
       .finalize();
   py::class_<PagedCopySpec>(m, "PagedCopySpec")
       .def(py::init<>())
+      .def(py::init<const PagedCopySpec&>(), py::arg("other"))
       .def_readwrite("num_layers", &PagedCopySpec::num_layers)
       .def_readwrite("planes_per_layer", &PagedCopySpec::planes_per_layer)
       .def_readwrite("num_blocks", &PagedCopySpec::num_blocks)
@@ -129,6 +131,24 @@ void register_copies(py::module_& m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_launch_stats", &cuda_launch_stats);
 }
+void register_async(py::module_& m) {
+  py::class_<CopyTicket, std::shared_ptr<CopyTicket>>(m, "CopyTicket")
+      .def("done", &CopyTicket::done)
+      .def("wait", &CopyTicket::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("result", &CopyTicket::result);
+  py::class_<AsyncCopier>(m, "AsyncCopier")
+      .def(py::init<>())
+      .def(
+          "submit",
+          [](AsyncCopier& self, const PagedCopySpec& spec, const PlaneTable& bases, const BlockIds& ids,
+             Direction direction) {
+            return self.submit(spec, std::vector<uint64_t>(bases.data(), bases.data() + bases.size()),
+                               std::vector<int64_t>(ids.data(), ids.data() + ids.size()), direction);
+          },
+          py::arg("spec"), py::arg("plane_bases"), py::arg("block_ids"), py::arg("direction"))
+      .def("close", &AsyncCopier::close, py::call_guard<py::gil_scoped_release>())
+      .def("pending", &AsyncCopier::pending);
+}
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -136,5 +156,6 @@ PYBIND11_MODULE(_native, m) {
   register_errors();
   register_types(m);
   register_copies(m);
+  register_async(m);
   register_plan(m);
 }

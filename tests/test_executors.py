@@ -116,20 +116,3 @@ def test_a_failed_kernel_makes_the_completion_done_and_its_result_raise(fake_cup
     assert completion.done() and completion.wait(0.01)
     with pytest.raises(RuntimeError, match="IllegalAddress"):
         completion.result()
-
-
-def test_a_thread_pool_completion_times_out_then_reports_its_result() -> None:
-    from concurrent.futures import Future
-
-    from kvshuttle.transfer.executors import FutureCompletion
-
-    future: Future[float] = Future()
-    completion = FutureCompletion(future)
-    assert not completion.done() and not completion.wait(0.01)
-    future.set_result(0.25)
-    assert completion.done() and completion.wait(0.01) and completion.result() == 0.25
-    failed: Future[float] = Future()
-    failed.set_exception(ValueError("unpack failed"))
-    assert FutureCompletion(failed).wait(0.01)
-    with pytest.raises(ValueError, match="unpack failed"):
-        FutureCompletion(failed).result()

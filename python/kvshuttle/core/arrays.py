@@ -8,6 +8,8 @@ through numpy's array interface.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,7 @@ class ArrayView:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+        return math.prod(self.shape) * self.itemsize  # Python ints: no overflow, no numpy call per chunk
 
     def is_c_contiguous(self) -> bool:
         """numpy's rule: strides of length-1 axes do not matter, and an empty array is contiguous."""
@@ -57,6 +59,11 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 
 def _is_torch_tensor(x: object) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    return str(dtype)  # a few microseconds each time; every pack and unpack describes its staging
 
 
 def describe(x: object) -> ArrayView:
@@ -99,10 +106,10 @@ def describe(x: object) -> ArrayView:
         raise LayoutError(f"arrays of dtype {x.dtype} cannot hold KV bytes; use a numeric dtype")
     return ArrayView(
         address=int(x.ctypes.data),
-        shape=tuple(int(s) for s in x.shape),
-        strides=tuple(int(s) for s in x.strides),
+        shape=x.shape,  # numpy's shape and strides are tuples of Python ints already
+        strides=x.strides,
         itemsize=x.itemsize,
-        dtype=str(x.dtype),
+        dtype=_dtype_name(x.dtype),
         device="cpu",
         writeable=bool(x.flags.writeable),
         owner=x,

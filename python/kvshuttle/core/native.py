@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Literal
 from ..errors import BackendError, shown
 
 if TYPE_CHECKING:  # the extension's classes, for annotations only (they do not exist without a build)
-    from .._native import PagedCopySpec, ReadPlanSpec
+    from .._native import AsyncCopier, CopyTicket, PagedCopySpec, ReadPlanSpec
 
 try:
     from .. import _native as ext
 except ImportError:  # a source checkout without a build; available() says so before anyone touches ext
     ext = None  # type: ignore[assignment]  # keeps ext typed as the module for every call
 
-__all__ = ["BACKENDS", "Backend", "PagedCopySpec", "ReadPlanSpec", "available", "check_backend", "cuda_built",
-           "ext", "require"]
+__all__ = ["BACKENDS", "AsyncCopier", "Backend", "CopyTicket", "PagedCopySpec", "ReadPlanSpec", "available",
+           "check_backend", "cuda_built", "ext", "require"]
 
 Backend = Literal["auto", "native", "reference"]
 BACKENDS: tuple[Backend, ...] = ("auto", "native", "reference")

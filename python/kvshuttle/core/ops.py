@@ -7,6 +7,7 @@ torch or cupy stream of the arrays' framework) and returns before the copy finis
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -35,19 +36,28 @@ class CopyPlan:
     head_offset: int
 
     def native_spec(self) -> native.PagedCopySpec:
-        g, layout = self.cache.geometry, self.layout
-        native.require()
-        ext = native.ext
-        spec = ext.PagedCopySpec()
-        spec.num_layers, spec.planes_per_layer = g.num_layers, g.planes_per_layer
-        spec.num_blocks, spec.block_stride = g.num_blocks, g.block_stride
-        spec.block_size, spec.num_heads, spec.head_offset = g.block_size, g.num_heads, self.head_offset
-        spec.token_stride, spec.head_stride = g.token_stride, g.head_stride
+        spec = native.ext.PagedCopySpec(_spec_template(self.cache.geometry, self.layout, self.head_offset))
         spec.staging_addr, spec.staging_bytes = self.staging.address, self.staging.nbytes
-        spec.staging_block_size, spec.staging_heads = layout.block_size, layout.num_heads
-        spec.staging_order = ext.TokenOrder.NHD if layout.order is TokenOrder.NHD else ext.TokenOrder.HND
-        spec.row_bytes, spec.num_tokens = g.row_bytes, self.num_tokens
+        spec.num_tokens = self.num_tokens
         return spec
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_template(g: CacheGeometry, layout: StagingLayout, head_offset: int) -> native.PagedCopySpec:
+    """What every copy of one geometry, layout and head offset shares: setting it costs more than a copy of it.
+
+    Never handed out: :meth:`CopyPlan.native_spec` copies it before filling in the staging and token count."""
+    native.require()
+    ext = native.ext
+    spec = ext.PagedCopySpec()
+    spec.num_layers, spec.planes_per_layer = g.num_layers, g.planes_per_layer
+    spec.num_blocks, spec.block_stride = g.num_blocks, g.block_stride
+    spec.block_size, spec.num_heads, spec.head_offset = g.block_size, g.num_heads, head_offset
+    spec.token_stride, spec.head_stride = g.token_stride, g.head_stride
+    spec.staging_block_size, spec.staging_heads = layout.block_size, layout.num_heads
+    spec.staging_order = ext.TokenOrder.NHD if layout.order is TokenOrder.NHD else ext.TokenOrder.HND
+    spec.row_bytes = g.row_bytes
+    return spec
 
 
 def staging_nbytes(cache: PagedKVCache | CacheGeometry, num_tokens: int, layout: StagingLayout | None = None) -> int:
@@ -154,6 +164,14 @@ def _run(plan: CopyPlan, pack: bool, backend: Backend, stream: int | None) -> No
     native.require()
     ext.paged_copy_cpu(plan.native_spec(), plan.cache.plane_bases, plan.block_ids,
                        ext.Direction.PACK if pack else ext.Direction.UNPACK)
+
+
+def submit_host_copy(copier: native.AsyncCopier, plan: CopyPlan, pack: bool) -> native.CopyTicket:
+    """Queue a validated host copy on ``copier``'s native worker; the caller keeps both sides alive until done."""
+    native.require()
+    ext = native.ext
+    return copier.submit(plan.native_spec(), plan.cache.plane_bases, plan.block_ids,
+                         ext.Direction.PACK if pack else ext.Direction.UNPACK)
 
 
 def pack(

@@ -6,7 +6,6 @@ import logging
 import threading
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from ..trust import DeploymentSecret
 from ._nixl import NixlAgent, NixlCallError, NixlDescList, NixlRegistration, mem_type_of
 from .config import EngineConfig
 from .errors import TransferArgumentError, TransferError
-from .executors import CopyExecutor, HostExecutor, executor_for, import_cupy
+from .executors import BackgroundExecutor, CopyExecutor, HostExecutor, executor_for, import_cupy
 from .staging import StagingPool
 from .transfer_handle import TransferHandle, TransferState
 from .workers import Workers
@@ -76,17 +75,18 @@ class Endpoint:
             raise TransferArgumentError(f"staging is on {self.pool.view.device} but the cache is on "
                                         f"{cache.geometry.device}: pass staging on the cache's device")
         self.pool_mem, self.pool_device = mem_type_of(self.pool.view.device)
-        # Packs (owner) run on the calling job thread or a CUDA stream; unpacks (reader) on the unpack thread or
-        # another stream: the pipeline's bookkeeping is the same for both (chunk_slots.py).
-        # A read's last chunk unpacks on its pipeline thread: no READ is left to overlap, so the hand-off to the
-        # unpack thread and back would only add its two wake-ups.
-        self._unpacker = ThreadPoolExecutor(1, thread_name_prefix="kvshuttle-unpack")
+        # Packs (owner) run on the calling job thread or a CUDA stream; unpacks (reader) on a native worker thread
+        # (no GIL, no Python wake-up per chunk) or another stream: the pipeline's bookkeeping is the same for both
+        # (chunk_slots.py). A read's last chunk unpacks on its pipeline thread: no READ is left to overlap.
+        self._background: BackgroundExecutor | None = None
         self.packs: CopyExecutor = HostExecutor()
-        self.unpacks: CopyExecutor = HostExecutor(self._unpacker)
         self.last_unpacks: CopyExecutor = self.packs
         if cache.is_cuda and self.pool.slots:
             self.packs, self.unpacks = executor_for(cache), executor_for(cache)
             self.last_unpacks = self.unpacks
+        else:
+            self._background = BackgroundExecutor()
+            self.unpacks = self._background
         self.pipelines = Workers("kvshuttle-read")  # the packed reads' pipelines (owners: their pack jobs)
         self._agent = NixlAgent(config.name, config.backends, num_threads=config.num_threads,
                                 progress_delay_us=config.progress_delay_us)
@@ -145,7 +145,8 @@ class Endpoint:
             except NixlCallError as exc:
                 log.warning("kvshuttle: releasing NIXL objects of %s failed: %s", self.name, exc)
         self.pipelines.close()
-        self._unpacker.shutdown(wait=True)
+        if self._background is not None:
+            self._background.close()
         self._zmq.term()
 
     def __enter__(self) -> Endpoint:

@@ -5,7 +5,8 @@ The packed pipeline (``owner_service.PackJob`` packs, ``packed._Pipeline`` unpac
 completions only, when a chunk may be offered to the reader and when its staging slot may be used again. The
 same bookkeeping drives both executors, so what the CPU tests check about it holds on the GPU path too.
 
-* :class:`HostExecutor`: the copy runs at once on the calling thread, or on a thread pool (a reader's unpack).
+* :class:`HostExecutor`: the copy runs at once on the calling thread; :class:`BackgroundExecutor`: in order on a
+  native worker thread that never takes the GIL (a reader's unpacks).
 * :class:`CudaExecutor`: the copy is enqueued on the executor's own CUDA stream with events before and after it;
   the completion is done when the second event completed. cupy is imported here lazily, only for CUDA caches.
 """
@@ -14,16 +15,17 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before Python 3.11
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from ..core import ops
+from ..core import native, ops
 from ..core.layout import PagedKVCache, StagingLayout
 from ..errors import BackendError
+
+if TYPE_CHECKING:
+    from .._native import CopyTicket
 
 
 class Completion(Protocol):
@@ -70,41 +72,26 @@ class Finished:
         return self._seconds
 
 
-class FutureCompletion:
-    """A copy running on a thread pool."""
+class TicketCompletion:
+    """A copy queued on a native worker thread (:class:`BackgroundExecutor`)."""
 
-    def __init__(self, future: Future[float]) -> None:
-        self._future = future
+    def __init__(self, ticket: CopyTicket) -> None:
+        self._ticket = ticket
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._ticket.done()
 
     def wait(self, timeout: float) -> bool:
-        try:
-            self._future.exception(timeout=timeout)
-        except FutureTimeout:
-            return False
-        return True
+        return self._ticket.wait(timeout)
 
     def result(self) -> float:
-        return self._future.result(timeout=0)
-
-
-def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
-    start = time.perf_counter()
-    fn(*args, **kwargs)
-    return time.perf_counter() - start
+        return self._ticket.result()
 
 
 class HostExecutor:
-    """Copies on the host: synchronously, or on ``pool`` (a reader's unpacks overlap its next READ)."""
-
-    def __init__(self, pool: ThreadPoolExecutor | None = None) -> None:
-        self._pool = pool
+    """Copies on the host, at once on the calling thread (an owner's packs, a read's last unpack)."""
 
     def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Completion:
-        if self._pool is not None:
-            return FutureCompletion(self._pool.submit(_timed, fn, *args, **kwargs))
         start = time.perf_counter()
         try:
             fn(*args, **kwargs)
@@ -121,6 +108,47 @@ class HostExecutor:
                layout: StagingLayout, head_offset: int) -> Completion:
         return self._run(ops.unpack, staging, cache, ids, num_tokens=num_tokens, layout=layout,
                          head_offset=head_offset)
+
+
+class BackgroundExecutor(HostExecutor):
+    """Host copies queued in order on one native worker thread (a reader's unpacks overlap its next READ).
+
+    The worker never takes the GIL: a chunk costs no Python thread wake-up, and ``done()`` is one atomic load.
+    Validation stays on the calling thread, so a bad call fails before anything is queued. Without the native
+    extension the copies run on the calling thread (the numpy reference is for checking, not for speed).
+    """
+
+    def __init__(self) -> None:
+        self._copier = native.ext.AsyncCopier() if native.available() else None
+
+    def _submit(self, pack: bool, cache: PagedKVCache, ids: npt.NDArray[np.int64], staging: Any, *,
+                num_tokens: int, layout: StagingLayout, head_offset: int) -> Completion:
+        assert self._copier is not None
+        try:
+            plan = ops.plan_copy(cache, ids, staging, num_tokens=num_tokens, layout=layout, head_offset=head_offset,
+                                 staging_written=pack)
+        except Exception as exc:
+            return Finished(0.0, exc)
+        return TicketCompletion(ops.submit_host_copy(self._copier, plan, pack))
+
+    def pack(self, cache: PagedKVCache, ids: npt.NDArray[np.int64], staging: Any, *, num_tokens: int,
+             layout: StagingLayout, head_offset: int) -> Completion:
+        if self._copier is None:
+            return super().pack(cache, ids, staging, num_tokens=num_tokens, layout=layout, head_offset=head_offset)
+        return self._submit(True, cache, ids, staging, num_tokens=num_tokens, layout=layout, head_offset=head_offset)
+
+    def unpack(self, staging: Any, cache: PagedKVCache, ids: npt.NDArray[np.int64], *, num_tokens: int,
+               layout: StagingLayout, head_offset: int) -> Completion:
+        if self._copier is None:
+            return super().unpack(staging, cache, ids, num_tokens=num_tokens, layout=layout,
+                                  head_offset=head_offset)
+        return self._submit(False, cache, ids, staging, num_tokens=num_tokens, layout=layout,
+                            head_offset=head_offset)
+
+    def close(self) -> None:
+        """Run what is queued, then stop the worker; later submissions fail with BackendError."""
+        if self._copier is not None:
+            self._copier.close()
 
 
 def import_cupy() -> Any:
@@ -198,8 +226,8 @@ class CudaExecutor:
                              head_offset=head_offset)
 
 
-def executor_for(cache: PagedKVCache, pool: ThreadPoolExecutor | None = None) -> CopyExecutor:
-    """The executor for ``cache``'s device: CUDA stream + events for GPU caches, else the host (on ``pool``)."""
+def executor_for(cache: PagedKVCache) -> CopyExecutor:
+    """The executor for ``cache``'s device: CUDA stream + events for GPU caches, else the calling thread."""
     if cache.is_cuda:
         return CudaExecutor(cache.geometry.device)
-    return HostExecutor(pool)
+    return HostExecutor()

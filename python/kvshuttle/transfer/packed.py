@@ -2,7 +2,7 @@
 
 One thread per transfer drives the pipeline over a side-channel connection borrowed from the peer (reused
 across transfers: a new TCP connection costs about a millisecond): the owner packs
-chunk i+1 while this thread READs chunk i into a local staging slot and the engine's unpack thread
+chunk i+1 while this thread READs chunk i into a local staging slot and the engine's native unpack worker
 scatters chunk i-1 into the paged cache. A chunk's local blocks become valid when its unpack finishes;
 on any failure the handle lists exactly the blocks of chunks not unpacked.
 """
@@ -65,7 +65,7 @@ class PackedSetup:
     pool_device: int
     remote_mem: MemType
     remote_device: int
-    unpacker: CopyExecutor  # the unpack thread (host caches) or a CUDA stream (device caches)
+    unpacker: CopyExecutor  # the native unpack worker (host caches) or a CUDA stream (device caches)
     last_unpacker: CopyExecutor  # for the last chunk: the pipeline's own thread (host caches) or the stream
     workers: Workers  # the threads pipelines run on
     local_ids: npt.NDArray[np.int64]
@@ -277,7 +277,7 @@ class _Pipeline:
                 lost = conn.watch()  # UCX may wait long for a dead peer; the side channel knows at once
                 if lost is not None:
                     raise PeerLostError(f"{lost} during the NIXL READ of chunk {chunk.index}")
-                # Sleeping (GIL released) lets the unpack threads and NIXL's progress thread run; spinning
+                # Sleeping (GIL released) lets the unpack worker and NIXL's progress thread run; spinning
                 # on state() took one of the two cores from them.
                 time.sleep(pause)
                 pause = min(2 * pause, _MAX_PAUSE_S)
