@@ -23,6 +23,7 @@ kvshuttle bench transfer --shape qwen3-32b-tp1 --pattern scattered --chunk-mib 2
   > "$out/${m}_transfer_chunks_tp1.json"
 python3 benchmarks/packed_chunk_cost.py 64 10 > "$out/${m}_packed_chunk_cost.json"
 python3 benchmarks/packed_bound.py 15 > "$out/${m}_packed_bound.json"
+python3 benchmarks/packed_cpu_budget.py 9 > "$out/${m}_packed_cpu_budget.json"
 kvshuttle bench transfer --shape qwen3-32b-tp8 --pattern scattered --blocks 1536 --chunk-mib 1,4,16 --depth 2,4 \
   --repeat 5 --json > "$out/${m}_transfer_chunks.json"
 kvshuttle bench transfer --shape qwen3-32b-tp1,qwen3-32b-tp2,qwen3-32b-tp4,qwen3-32b-tp8 --pattern scattered \
