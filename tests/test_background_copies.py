@@ -144,3 +144,20 @@ def test_waiting_releases_the_gil(rng: np.random.Generator) -> None:
         stop.set()
         counter.join()
         executor.close()
+
+
+def test_an_error_in_the_worker_reaches_the_caller_as_the_named_error() -> None:
+    """A copy the native check refuses on the worker thread: its ticket is done and result() raises it."""
+    from kvshuttle.errors import LayoutError
+
+    copier = native.ext.AsyncCopier()
+    try:
+        bad = native.ext.PagedCopySpec()  # every field 0: no geometry to copy
+        ticket = copier.submit(bad, np.zeros(0, dtype=np.uint64), np.zeros(1, dtype=np.int64),
+                               native.ext.Direction.PACK)
+        assert ticket.wait(10) and ticket.done()
+        with pytest.raises(LayoutError):
+            ticket.result()
+        assert copier.pending() == 0
+    finally:
+        copier.close()
