@@ -5,8 +5,8 @@
 // a small chunk's copy). Here the worker never takes the GIL: submit() queues the copy, CopyTicket::done() is one
 // atomic load, and wait() sleeps on a condition variable with the GIL released by the binding.
 //
-// The caller keeps the cache and the staging bytes alive and unwritten until the ticket is done; the block ids
-// and plane table are copied into the job.
+// The caller keeps the cache and the staging bytes alive and unwritten until the ticket is done (the Python
+// completion holds the copy's plan, which holds both); the block ids and plane table are copied into the job.
 #pragma once
 
 #include <atomic>
@@ -49,7 +49,7 @@ class AsyncCopier {
   AsyncCopier(const AsyncCopier&) = delete;
   AsyncCopier& operator=(const AsyncCopier&) = delete;
 
-  // Queues one paged_copy_cpu; StagingError once closed.
+  // Queues one paged_copy_cpu; BackendError once closed.
   std::shared_ptr<CopyTicket> submit(const PagedCopySpec& spec, std::vector<uint64_t> plane_bases,
                                      std::vector<int64_t> ids, Direction direction);
   // Runs what is queued, then stops the worker (idempotent; call with the GIL released).

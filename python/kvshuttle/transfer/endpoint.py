@@ -80,11 +80,12 @@ class Endpoint:
         # (chunk_slots.py). A read's last chunk unpacks on its pipeline thread: no READ is left to overlap.
         self._background: BackgroundExecutor | None = None
         self.packs: CopyExecutor = HostExecutor()
+        self.unpacks: CopyExecutor = self.packs
         self.last_unpacks: CopyExecutor = self.packs
         if cache.is_cuda and self.pool.slots:
             self.packs, self.unpacks = executor_for(cache), executor_for(cache)
             self.last_unpacks = self.unpacks
-        else:
+        elif self.pool.slots:  # without staging there are no packed reads, so no worker
             self._background = BackgroundExecutor()
             self.unpacks = self._background
         self.pipelines = Workers("kvshuttle-read")  # the packed reads' pipelines (owners: their pack jobs)

@@ -75,8 +75,9 @@ class Finished:
 class TicketCompletion:
     """A copy queued on a native worker thread (:class:`BackgroundExecutor`)."""
 
-    def __init__(self, ticket: CopyTicket) -> None:
+    def __init__(self, ticket: CopyTicket, plan: ops.CopyPlan) -> None:
         self._ticket = ticket
+        self._plan = plan  # the worker writes through raw addresses: keep the cache and staging alive meanwhile
 
     def done(self) -> bool:
         return self._ticket.done()
@@ -129,7 +130,7 @@ class BackgroundExecutor(HostExecutor):
                                  staging_written=pack)
         except Exception as exc:
             return Finished(0.0, exc)
-        return TicketCompletion(ops.submit_host_copy(self._copier, plan, pack))
+        return TicketCompletion(ops.submit_host_copy(self._copier, plan, pack), plan)
 
     def pack(self, cache: PagedKVCache, ids: npt.NDArray[np.int64], staging: Any, *, num_tokens: int,
              layout: StagingLayout, head_offset: int) -> Completion:
