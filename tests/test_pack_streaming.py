@@ -150,3 +150,18 @@ def test_vllm_pages(rng, kind, layout, head_size, shift):
         check_pack_unpack(rng, geo, random_ids(rng, 9, 5), shift=shift)
         if kind != "vllm_cpu_attn":
             check_pack_unpack(rng, geo, random_ids(rng, 9, 5), num_tokens=4 * 16 + 3, shift=shift)
+
+
+@pytest.mark.parametrize("shift", [0, 16], ids=["aligned", "shift16"])
+@pytest.mark.parametrize("head_size", [32, 96, 160, 224, 288, 2080])
+def test_staggered_lanes_cover_every_line_once(rng, head_size, shift):
+    """Lanes start at different lines of their runs and wrap around (csrc/cpu/run_copier.h): runs of 1 to 9
+    lines (a token row of one bf16 head of 32..288 elements) and of 4 KiB chunks plus a partial one (2080: 4,160
+    B rows) must still copy each line exactly once, in both directions, whatever the lane count."""
+    geo = Geo("flash_attn", "HND", "bf16", num_layers=2, num_blocks=10, block_size=16, num_heads=2,
+              head_size=head_size)
+    check_pack_unpack(rng, geo, random_ids(rng, 10, 7), shift=shift)
+    check_pack_unpack(rng, geo, random_ids(rng, 10, 6), num_tokens=5 * 16 + 3, shift=shift)
+    layout, offset = transform(geo, "flip_order")
+    check_pack_unpack(rng, geo, random_ids(rng, 10, 5), layout=layout, num_tokens=4 * 16 + 7, head_offset=offset,
+                      shift=shift)
