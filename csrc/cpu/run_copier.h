@@ -5,10 +5,10 @@
 // reads one page at a time, and the hardware prefetcher stops at every 4 KiB page boundary, so a scattered
 // 32 KiB piece runs at ~0.65x of a contiguous memcpy. Copying 64-byte lines from kLanes chunks in turn keeps
 // kLanes page streams in flight (glibc's large memcpy does the same across 4 pages), which brings scattered
-// copies back to memcpy speed. Runs are queued until kLanes chunks of one length are waiting, so
-// short runs (one 256-byte row of a vLLM 0.32 FlashAttention page, one 4 KiB TP8 piece) are interleaved too. Lanes do not
-// move in lockstep at equal offsets: page-aligned runs would then load and store addresses with the same low 12
-// bits back to back (see stream_lanes).
+// copies back to memcpy speed. Runs are queued until kLanes chunks of one length are waiting, so short runs (one
+// 256-byte row of a vLLM 0.32 FlashAttention page, one 4 KiB TP8 piece) are interleaved too. Lanes do not move in
+// lockstep at equal offsets: page-aligned runs would then load and store addresses with the same low 12 bits
+// back to back (see stream_lanes).
 //
 // Runs must not overlap each other (pack and unpack write disjoint bytes); call flush() before the bytes are
 // read, then fence (store_fence) before another thread reads them.
