@@ -180,7 +180,7 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
   const bool streaming =
       total_bytes >= g_streaming_min_bytes[direction_index(direction)].load(std::memory_order_relaxed);
   parallel_for(num_ids * (spec.num_planes() / group_planes(spec)), [&](int64_t begin, int64_t end) {
-    Copier copy(streaming);
+    Copier copy(streaming, direction == Direction::Pack ? RunCopier::kLanes : 1);
     if (direction == Direction::Pack) {
       copy_items<Direction::Pack>(spec, plane_bases, ids, begin, end, copy);
     } else {

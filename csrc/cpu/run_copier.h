@@ -1,14 +1,15 @@
 // RunCopier: copies a stream of disjoint runs (dst, src, n), streaming large copies past the cache from several
 // source pages at once.
 //
-// Why lanes: pack reads pieces scattered over the cache (and unpack writes them). One non-temporal copy loop
-// reads one page at a time, and the hardware prefetcher stops at every 4 KiB page boundary, so a scattered
-// 32 KiB piece runs at ~0.65x of a contiguous memcpy. Copying 64-byte lines from kLanes chunks in turn keeps
-// kLanes page streams in flight (glibc's large memcpy does the same across 4 pages), which brings scattered
-// copies back to memcpy speed. Runs are queued until kLanes chunks of one length are waiting, so short runs (one
-// 256-byte row of a vLLM 0.32 FlashAttention page, one 4 KiB TP8 piece) are interleaved too. Lanes do not move in
-// lockstep at equal offsets: page-aligned runs would then load and store addresses with the same low 12 bits
-// back to back (see stream_lanes).
+// Why lanes: pack reads pieces scattered over the cache. One non-temporal copy loop reads one page at a time, and
+// the hardware prefetcher stops at every 4 KiB page boundary, so a scattered 32 KiB piece runs at ~0.65x of a
+// contiguous memcpy. Copying 64-byte lines from kLanes chunks in turn keeps kLanes page streams in flight
+// (glibc's large memcpy does the same across 4 pages), which brings scattered copies back to memcpy speed. Runs
+// are queued until that many chunks of one length are waiting, so short runs (one 4 KiB TP8 piece) are
+// interleaved too; rows of a vLLM 0.32 FlashAttention page (256 B) go 8 at a time through copy_rows. An unpack
+// reads its staging in order and takes one lane (see the constructor). Lanes do not move in lockstep at equal
+// offsets: page-aligned runs would then load and store addresses with the same low 12 bits back to back (see
+// stream_lanes).
 //
 // Runs must not overlap each other (pack and unpack write disjoint bytes); call flush() before the bytes are
 // read, then fence (store_fence) before another thread reads them.
@@ -32,13 +33,17 @@ inline void store_fence() {
 
 class RunCopier {
  public:
-  static constexpr int kLanes = 4;     // queued chunks copied together (4 pages: as fast as 8, fewer streams)
+  static constexpr int kLanes = 4;     // most queued chunks copied together (4 pages: as fast as 8, fewer streams)
   static constexpr int kRowLanes = 8;  // rows copied together by copy_rows (rows are short: more in flight)
   static constexpr int64_t kLine = 64;
   static constexpr int64_t kChunk = 4096;       // one source page per lane
   static constexpr int64_t kMinStreamed = 256;  // shorter runs: memcpy (a few lines gain nothing)
 
-  explicit RunCopier(bool streaming) : streaming_(streaming) {}
+  // lanes: chunks copied together, 1..kLanes. Lanes pay where the sources are scattered (a pack); an unpack reads
+  // its staging in order, so one stream keeps the prefetcher going, and 4 lanes of scattered non-temporal stores
+  // cost its unpacks a fifth on today's EPYC VM (benchmarks/README.md, "Pack / unpack").
+  RunCopier(bool streaming, int lanes)
+      : streaming_(streaming), lanes_(lanes < 1 ? 1 : lanes > kLanes ? kLanes : lanes) {}
   RunCopier(const RunCopier&) = delete;
   RunCopier& operator=(const RunCopier&) = delete;
   ~RunCopier() { flush(); }
@@ -108,15 +113,15 @@ class RunCopier {
     dst_[count_] = dst;
     src_[count_] = src;
     length_ = n;
-    if (++count_ == kLanes) flush();
+    if (++count_ == lanes_) flush();
   }
 
 #ifdef KVSHUTTLE_HAVE_SSE2
   // One 64-byte line of each lane in turn; destinations are line-aligned, sources may be anywhere. Lane k starts
   // k/kCount of the way into its run and wraps around: lanes in lockstep at the same offset touch addresses
   // with the same low 12 bits (page-aligned pieces), which the core treats as possible store-to-load
-  // dependences (4K aliasing); on one EPYC VM that held 4 lanes of 32 KiB pieces to 2.2 GB/s against 10 GB/s
-  // staggered (a one-off C++ loop, benchmarks/README.md "pack and unpack").
+  // dependences (4K aliasing): on one EPYC VM that ran packs at 0.24-0.31x of memcpy, staggered 0.7-1.0x
+  // (benchmarks/results/vm4_pack_cpu_before.json and vm4_pack_cpu.json).
   template <int kCount>
   void stream_lanes() {
     const int64_t lines = length_ / kLine;  // whole lines: operator() and copy_rows queue only those
@@ -141,6 +146,7 @@ class RunCopier {
 #endif
 
   const bool streaming_;
+  const int lanes_;
   char* dst_[kRowLanes] = {};
   const char* src_[kRowLanes] = {};
   int64_t length_ = 0;
