@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Regenerate every CPU benchmark JSON in benchmarks/results/, one command each, named <machine>_<bench>.json.
 # The 2-core VM kind has differed between sessions: vm4_* (2-vCPU AMD EPYC, 32 MiB L3: pack and transfer before and
-# after issue 19's fifth session, the piece sweep, 1,536 blocks), vm3_* (a VM reporting the same CPU, whose copies
-# behaved differently: pack, transfer, small reads, the packed pipeline's chunk cost, bound and CPU budget: issue
-# 19's second to fourth sessions), vm2_*
+# after issue 19's fifth session, the piece sweep, 1,536 blocks, the packed pipeline's bound, chunk cost and CPU
+# budget), vm3_* (a VM reporting the same CPU, whose copies
+# behaved differently: pack, transfer, small reads, chunk sweeps: issue 19's second to fourth sessions), vm2_*
 # (2-vCPU Xeon, 480 MiB L3: everything else), vm2old_* (an earlier VM), vm2_pack_cpu_before.json (main's copy
 # code at 7957465), vm3_transfer_small_before.json (main at 0857aa8) and vm4_*_before.json (main at 50aeb29) are
 # kept as they are.
