@@ -155,9 +155,10 @@ def test_vllm_pages(rng, kind, layout, head_size, shift):
 @pytest.mark.parametrize("shift", [0, 16], ids=["aligned", "shift16"])
 @pytest.mark.parametrize("head_size", [32, 96, 160, 224, 288, 2080])
 def test_staggered_lanes_cover_every_line_once(rng, head_size, shift):
-    """Lanes start at different lines of their runs and wrap around (csrc/cpu/run_copier.h): runs of 1 to 9
-    lines (a token row of one bf16 head of 32..288 elements) and of 4 KiB chunks plus a partial one (2080: 4,160
-    B rows) must still copy each line exactly once, in both directions, whatever the lane count."""
+    """Lanes start at different lines of their runs and wrap around (csrc/cpu/run_copier.h). Runs of 1 to 9 lines
+    (single rows of one bf16 head of 32..288 elements, the order flipped), of 16 to 144 lines (a head's tokens),
+    and of 4 KiB chunks plus a partial one (2080: 4,160 B rows) must still have each line copied exactly once, in
+    both directions (a pack's 4 lanes, an unpack's one), from full and partial blocks."""
     geo = Geo("flash_attn", "HND", "bf16", num_layers=2, num_blocks=10, block_size=16, num_heads=2,
               head_size=head_size)
     check_pack_unpack(rng, geo, random_ids(rng, 10, 7), shift=shift)

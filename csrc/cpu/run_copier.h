@@ -120,7 +120,7 @@ class RunCopier {
   // One 64-byte line of each lane in turn; destinations are line-aligned, sources may be anywhere. Lane k starts
   // k/kCount of the way into its run and wraps around: lanes in lockstep at the same offset touch addresses
   // with the same low 12 bits (page-aligned pieces), which the core treats as possible store-to-load
-  // dependences (4K aliasing): on one EPYC VM that ran packs at 0.24-0.31x of memcpy, staggered 0.7-1.0x
+  // dependences (4K aliasing): on one EPYC VM that ran packs at 0.22-0.51x of memcpy, staggered 0.71-1.03x
   // (benchmarks/results/vm4_pack_cpu_before.json and vm4_pack_cpu.json).
   template <int kCount>
   void stream_lanes() {
