@@ -41,7 +41,7 @@ class RunCopier {
 
   // lanes: chunks copied together, 1..kLanes. Lanes pay where the sources are scattered (a pack); an unpack reads
   // its staging in order, so one stream keeps the prefetcher going, and 4 lanes of scattered non-temporal stores
-  // cost its unpacks a fifth on today's EPYC VM (benchmarks/README.md, "Pack / unpack").
+  // cost its unpacks a fifth on the vm4 EPYC VM (one-off alternating runs, benchmarks/README.md "Pack / unpack").
   RunCopier(bool streaming, int lanes)
       : streaming_(streaming), lanes_(lanes < 1 ? 1 : lanes > kLanes ? kLanes : lanes) {}
   RunCopier(const RunCopier&) = delete;
