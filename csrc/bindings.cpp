@@ -8,6 +8,7 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "kvshuttle/async_copier.h"
 #include "kvshuttle/build_info.h"
@@ -15,6 +16,7 @@
 #include "kvshuttle/cuda_copy.h"
 #include "kvshuttle/descriptor_plan.h"
 #include "kvshuttle/errors.h"
+#include "kvshuttle/lane_tuner.h"
 #include "kvshuttle/thread_pool.h"
 
 namespace py = pybind11;
@@ -90,6 +92,35 @@ void register_types(py::module_& m) {
       .def_readwrite("row_bytes", &PagedCopySpec::row_bytes)
       .def_readwrite("num_tokens", &PagedCopySpec::num_tokens)
       .def("required_staging_bytes", &PagedCopySpec::required_staging_bytes);
+  py::class_<CopyShape>(m, "CopyShape")
+      .def_static("of", &CopyShape::of, py::arg("spec"), py::arg("direction"), py::arg("threads"))
+      .def_readonly("direction", &CopyShape::direction)
+      .def_readonly("block_size", &CopyShape::block_size)
+      .def_readonly("num_heads", &CopyShape::num_heads)
+      .def_readonly("token_stride", &CopyShape::token_stride)
+      .def_readonly("head_stride", &CopyShape::head_stride)
+      .def_readonly("planes_per_layer", &CopyShape::planes_per_layer)
+      .def_readonly("staging_block_size", &CopyShape::staging_block_size)
+      .def_readonly("staging_heads", &CopyShape::staging_heads)
+      .def_readonly("row_bytes", &CopyShape::row_bytes)
+      .def_readonly("staging_order", &CopyShape::staging_order)
+      .def_readonly("threads", &CopyShape::threads);
+  py::class_<LaneTuning>(m, "LaneTuning")
+      .def_readonly("shape", &LaneTuning::shape)
+      .def_readonly("lanes", &LaneTuning::lanes)
+      .def_readonly("decisions", &LaneTuning::decisions)
+      .def_readonly("timed", &LaneTuning::timed)
+      .def_readonly("median_gbps", &LaneTuning::median_gbps);
+  py::class_<LaneTuner> tuner(m, "LaneTuner");
+  tuner.def(py::init<int>(), py::arg("explore_every") = LaneTuner::kExploreEvery)
+      .def("choose", &LaneTuner::choose, py::arg("shape"), py::arg("prior"), py::arg("timed"))
+      .def("record", &LaneTuner::record, py::arg("shape"), py::arg("lanes"), py::arg("bytes_per_second"))
+      .def("snapshot", &LaneTuner::snapshot)
+      .def("reset", &LaneTuner::reset);
+  tuner.attr("candidates") = py::make_tuple(LaneTuner::kCandidates[0], LaneTuner::kCandidates[1]);
+  tuner.attr("window") = LaneTuner::kWindow;
+  tuner.attr("warmup") = LaneTuner::kWarmup;
+  tuner.attr("max_shapes") = LaneTuner::kMaxShapes;
   py::class_<BuildInfo>(m, "BuildInfo")
       .def_readonly("version", &BuildInfo::version)
       .def_readonly("cuda", &BuildInfo::cuda)
@@ -125,6 +156,10 @@ void register_copies(py::module_& m) {
   m.def("set_num_threads", &set_num_threads, py::arg("n"));
   m.def("streaming_min_bytes", &streaming_min_bytes, py::arg("direction"));
   m.def("set_streaming_min_bytes", &set_streaming_min_bytes, py::arg("nbytes"), py::arg("direction"));
+  m.def("copy_lanes", &copy_lanes, py::arg("direction"));
+  m.def("set_copy_lanes", &set_copy_lanes, py::arg("lanes"), py::arg("direction"));
+  m.def("copy_tuning", [] { return lane_tuner().snapshot(); });
+  m.def("reset_copy_tuning", [] { lane_tuner().reset(); });
   m.def("bytes_per_thread", &bytes_per_thread);
   m.def("set_bytes_per_thread", &set_bytes_per_thread, py::arg("nbytes"));
   m.def("build_info", &build_info);

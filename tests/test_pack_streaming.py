@@ -3,7 +3,8 @@ numpy reference, byte for byte over whole poisoned destinations.
 
 Caches of the other pack tests are far below the 16 MiB above which the native pack streams, so their packs
 run memcpy only, and unpacks always stream by default; here both thresholds are lowered to 0 bytes, and one
-test raises the unpack threshold to run unpacks through memcpy. Buffers are page-aligned (torch's and vLLM's
+test raises the unpack threshold to run unpacks through memcpy. Each test runs with 1 to 4 lanes fixed (one
+source page at a time or several in turn; one row at a time or row lanes). Buffers are page-aligned (torch's and vLLM's
 allocations are), so line-aligned rows take the row-lane path, and shifted by a few bytes, so heads and tails
 of runs go through memcpy; block ids are permuted, so runs come from scattered blocks.
 """
@@ -41,13 +42,19 @@ def set_thresholds(nbytes: int) -> None:
         _native.set_streaming_min_bytes(nbytes, direction)
 
 
-@pytest.fixture(autouse=True)
-def streaming() -> Iterator[None]:
+@pytest.fixture(autouse=True, params=[1, 2, 3, 4], ids=lambda lanes: f"lanes{lanes}")
+def streaming(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test with each lane count fixed (the tuner picks 1 or 4 per kind of copy; 2 and 3 an operator may
+    fix), so each streams the same way in both directions whatever the tuner measured earlier in the run."""
     set_thresholds(0)
+    for direction in DIRECTIONS:
+        _native.set_copy_lanes(request.param, direction)
     try:
         yield
     finally:
         set_thresholds(-1)
+        for direction in DIRECTIONS:
+            _native.set_copy_lanes(0, direction)
 
 
 def placed(data: np.ndarray, shift: int) -> np.ndarray:
@@ -158,7 +165,7 @@ def test_staggered_lanes_cover_every_line_once(rng, head_size, shift):
     """Lanes start at different lines of their runs and wrap around (csrc/cpu/run_copier.h). Runs of 1 to 9 lines
     (single rows of one bf16 head of 32..288 elements, the order flipped), of 16 to 144 lines (a head's tokens),
     and of 4 KiB chunks plus a partial one (2080: 4,160 B rows) must still have each line copied exactly once, in
-    both directions (a pack's 4 lanes, an unpack's one), from full and partial blocks."""
+    both directions and with every lane count, from full and partial blocks."""
     geo = Geo("flash_attn", "HND", "bf16", num_layers=2, num_blocks=10, block_size=16, num_heads=2,
               head_size=head_size)
     check_pack_unpack(rng, geo, random_ids(rng, 10, 7), shift=shift)

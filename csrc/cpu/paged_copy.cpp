@@ -1,9 +1,11 @@
 // CPU pack/unpack: one work item per (block id, layer-plane), split over the thread pool.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "kvshuttle/cpu_copy.h"
+#include "kvshuttle/lane_tuner.h"
 #include "kvshuttle/thread_pool.h"
 
 #include "run_copier.h"
@@ -20,6 +22,14 @@ constexpr int64_t kDefaultStreamingMinBytes[2] = {16 << 20, 0};  // by Direction
 std::atomic<int64_t> g_streaming_min_bytes[2] = {kDefaultStreamingMinBytes[0], kDefaultStreamingMinBytes[1]};
 
 int direction_index(Direction direction) { return direction == Direction::Pack ? 0 : 1; }
+
+// Lanes (csrc/cpu/run_copier.h) by Direction: fixed by set_copy_lanes, else (0) chosen by lane_tuner(), which
+// starts from the prior: 4 for packs (their sources are scattered), 1 for unpacks (they read staging in order).
+std::atomic<int> g_fixed_lanes[2] = {0, 0};
+constexpr int kPriorLanes[2] = {RunCopier::kLanes, 1};
+// Copies shorter than this are not timed for the tuner: a thread wake-up (tens of microseconds on a VM) would
+// be a large part of their time.
+constexpr int64_t kTimedMinBytes = 4 << 20;
 
 using Copier = RunCopier;
 
@@ -99,16 +109,22 @@ inline void copy_segment(const PagedCopySpec& s, const PlaneGroup& g, int64_t j,
   const bool nhd = s.staging_order == TokenOrder::NHD;
   const bool whole_rows = nhd && heads_adjacent && Hs == Hp && (len == 1 || ts == Hp * R);
   const bool runs = nhd ? heads_adjacent : tokens_adjacent;  // else row by row, below
+  if (runs && !nhd) {
+    // Head by head, each plane's run in turn: a vLLM 0.32 CPU_ATTN page (a head's K run, then its V run) is
+    // read in order.
+    for (int64_t h = 0; h < Hs; ++h) {
+      for (int64_t p = 0; p < g.count; ++p) move(p, j * ts + (h0 + h) * hs, (h * Bs + k) * R, len * R);
+    }
+    return;
+  }
   if (runs) {
     for (int64_t p = 0; p < g.count; ++p) {
       if (whole_rows) {
         move(p, j * ts + h0 * hs, k * Hs * R, len * Hs * R);  // whole token rows are contiguous on both sides
-      } else if (nhd && Hs == 1 && tokens_adjacent) {
+      } else if (Hs == 1 && tokens_adjacent) {
         move(p, j * ts + h0 * hs, k * R, len * R);
-      } else if (nhd) {
-        for (int64_t t = 0; t < len; ++t) move(p, (j + t) * ts + h0 * hs, (k + t) * Hs * R, Hs * R);
       } else {
-        for (int64_t h = 0; h < Hs; ++h) move(p, j * ts + (h0 + h) * hs, (h * Bs + k) * R, len * R);
+        for (int64_t t = 0; t < len; ++t) move(p, (j + t) * ts + h0 * hs, (k + t) * Hs * R, Hs * R);
       }
     }
     return;
@@ -177,10 +193,16 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
                     int64_t num_plane_bases, const int64_t* ids, int64_t num_ids, Direction direction) {
   check_paged_copy(spec, plane_bases, num_plane_bases, ids, num_ids);
   const int64_t total_bytes = spec.num_tokens * spec.staging_heads * spec.row_bytes * spec.num_planes();
-  const bool streaming =
-      total_bytes >= g_streaming_min_bytes[direction_index(direction)].load(std::memory_order_relaxed);
+  const int d = direction_index(direction);
+  const bool streaming = total_bytes >= g_streaming_min_bytes[d].load(std::memory_order_relaxed);
+  const int threads = std::min(threads_for(total_bytes), num_threads());
+  int lanes = g_fixed_lanes[d].load(std::memory_order_relaxed);
+  const bool timed = streaming && lanes == 0 && total_bytes >= kTimedMinBytes;
+  const CopyShape shape = CopyShape::of(spec, direction, threads);
+  if (lanes == 0) lanes = streaming ? lane_tuner().choose(shape, kPriorLanes[d], timed) : kPriorLanes[d];
+  const auto start = std::chrono::steady_clock::now();
   parallel_for(num_ids * (spec.num_planes() / group_planes(spec)), [&](int64_t begin, int64_t end) {
-    Copier copy(streaming, direction == Direction::Pack ? RunCopier::kLanes : 1);
+    Copier copy(streaming, lanes);
     if (direction == Direction::Pack) {
       copy_items<Direction::Pack>(spec, plane_bases, ids, begin, end, copy);
     } else {
@@ -188,7 +210,11 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
     }
     copy.flush();
     if (streaming) store_fence();
-  }, threads_for(total_bytes));
+  }, threads);
+  if (timed) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    lane_tuner().record(shape, lanes, seconds > 0 ? static_cast<double>(total_bytes) / seconds : 0.0);
+  }
 }
 
 int64_t streaming_min_bytes(Direction direction) { return g_streaming_min_bytes[direction_index(direction)].load(); }
@@ -196,6 +222,12 @@ int64_t streaming_min_bytes(Direction direction) { return g_streaming_min_bytes[
 void set_streaming_min_bytes(int64_t nbytes, Direction direction) {
   const int i = direction_index(direction);
   g_streaming_min_bytes[i].store(nbytes < 0 ? kDefaultStreamingMinBytes[i] : nbytes);
+}
+
+int copy_lanes(Direction direction) { return g_fixed_lanes[direction_index(direction)].load(); }
+
+void set_copy_lanes(int lanes, Direction direction) {
+  g_fixed_lanes[direction_index(direction)].store(std::clamp(lanes, 0, static_cast<int>(RunCopier::kLanes)));
 }
 
 int64_t bytes_per_thread() { return g_bytes_per_thread.load(); }

@@ -59,6 +59,11 @@ class RunCopier {
       dst += head, src += head, n -= head;
       const int64_t body = n & ~(kLine - 1);
       if (n > body) std::memcpy(dst + body, src + body, static_cast<size_t>(n - body));
+      if (lanes_ == 1) {  // one stream: the whole run at once
+        dst_[0] = dst, src_[0] = src, length_ = body, count_ = 1;
+        flush();
+        return;
+      }
       for (int64_t off = 0; off < body; off += kChunk) {
         queue(dst + off, src + off, body - off < kChunk ? body - off : kChunk);
       }
@@ -72,7 +77,7 @@ class RunCopier {
   // destinations.
   bool rows_streamable(uintptr_t dst_bits, int64_t n) const {
 #ifdef KVSHUTTLE_HAVE_SSE2
-    return streaming_ && n >= kLine && (n & (kLine - 1)) == 0 && (dst_bits & (kLine - 1)) == 0;
+    return streaming_ && lanes_ > 1 && n >= kLine && (n & (kLine - 1)) == 0 && (dst_bits & (kLine - 1)) == 0;
 #else
     (void)dst_bits, (void)n;
     return false;

@@ -18,6 +18,12 @@ void paged_copy_cpu(const PagedCopySpec& spec, const uint64_t* plane_bases,
 int64_t streaming_min_bytes(Direction direction);
 void set_streaming_min_bytes(int64_t nbytes, Direction direction);
 
+// Source pages a streamed copy in `direction` reads at once (csrc/cpu/run_copier.h). 0 (the default): chosen per
+// kind of copy by measurement (kvshuttle/lane_tuner.h); 1..4 fixes it (tests, benchmarks, an operator's choice);
+// larger values take 4, negative ones 0.
+int copy_lanes(Direction direction);
+void set_copy_lanes(int lanes, Direction direction);
+
 // A copy (pack, unpack, parallel_memcpy) uses one pool thread per this many bytes, at least one, at most the
 // pool's size. 0: always the whole pool (tests); a negative value restores the default (2 MiB).
 int64_t bytes_per_thread();

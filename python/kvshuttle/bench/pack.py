@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None,
                         help="calls per method per round, back to back (default: 1 on cpu, 20 on cuda)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lanes", type=int, choices=(0, 1, 2, 3, 4), default=0,
+                        help="CPU: source pages a streamed copy reads at once; 0 (default): measured per kind of "
+                             "copy, as in service (the tuner settles during the warm-up rounds)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed rounds first (default: 8 on cpu, enough for the lane tuner; 1 on cuda)")
 
 
 PAGE = 4096
@@ -143,6 +148,9 @@ def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     from ..core import reference
 
     _native.set_num_threads(args.threads)
+    for direction in (_native.Direction.PACK, _native.Direction.UNPACK):
+        _native.set_copy_lanes(args.lanes, direction)
+    _native.reset_copy_tuning()
     layers = args.layers or 16
     rng = np.random.default_rng(args.seed)
     total = args.blocks + args.spare_blocks
@@ -177,7 +185,8 @@ def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
         "peer_unpack": peer_unpack,
     }
     batch = args.batch or 1
-    samples = interleaved_rounds(fns, args.repeat, number=batch)
+    samples = interleaved_rounds(fns, args.repeat, number=batch, warmup=8 if args.warmup is None else args.warmup)
+    lanes = _lanes(_native)
 
     # Bytes checked after timing: staging = the numpy reference's; unpack into zeroed blocks restores them.
     ops.pack(cache, ids, staging)
@@ -196,7 +205,26 @@ def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     ok = ok and np.array_equal(copy_dst, staging)
     if not ok:
         raise AssertionError(f"{shape.name}: pack, unpack or the memcpy baseline moved the wrong bytes")
-    return _result(shape, layers, args.blocks, nbytes, samples, "cpu", _native.num_threads(), batch, ok)
+    return {**_result(shape, layers, args.blocks, nbytes, samples, "cpu", _native.num_threads(), batch, ok),
+            "lanes": lanes}
+
+
+def _lanes(ext: Any) -> dict[str, Any]:
+    """Per direction: the lanes fixed by --lanes, or the tuner's choice and its medians by candidate."""
+    out: dict[str, Any] = {}
+    for direction in (ext.Direction.PACK, ext.Direction.UNPACK):
+        name = direction.name.lower()
+        fixed = ext.copy_lanes(direction)
+        rows = [t for t in ext.copy_tuning() if t.shape.direction == direction]
+        if fixed or not rows:
+            out[name] = {"lanes": fixed or None, "tuned": False}
+            continue
+        t = max(rows, key=lambda row: row.decisions)  # the timed copies' kind (the checks' are alike)
+        out[name] = {"lanes": t.lanes, "tuned": True, "decisions": t.decisions,
+                     "gbps_by_lanes": {str(c): round(g, 3) for c, g in zip(ext.LaneTuner.candidates, t.median_gbps,
+                                                                             strict=True)},
+                     "timed_by_lanes": {str(c): n for c, n in zip(ext.LaneTuner.candidates, t.timed, strict=True)}}
+    return out
 
 
 def _device_sleep_rate(torch: Any) -> float:
@@ -276,7 +304,8 @@ def _run_cuda(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
     }
     batch = args.batch or 20
     # End to end: ``batch`` calls enqueued back to back (host validation overlaps the previous kernel), one sync.
-    samples = interleaved_rounds(fns, args.repeat, number=batch, sync=torch.cuda.synchronize)
+    samples = interleaved_rounds(fns, args.repeat, number=batch, sync=torch.cuda.synchronize,
+                                 warmup=1 if args.warmup is None else args.warmup)
     kernel = _kernel_rounds(torch, fns, samples, batch, _device_sleep_rate(torch))
 
     ops.pack(cache, ids, staging)
@@ -328,11 +357,22 @@ def _cell(r: dict[str, Any], name: str) -> str:
     return f"{r[name]:>5.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
 
+def _lanes_cell(r: dict[str, Any]) -> str:
+    def one(d: dict[str, Any] | None) -> str:
+        if not d or d.get("lanes") is None:
+            return "-"
+        return f"{d['lanes']}{'*' if d.get('tuned') else ''}"
+    lanes = r.get("lanes") or {}
+    return f"{one(lanes.get('pack'))}/{one(lanes.get('unpack'))}"
+
+
 def format_table(result: dict[str, Any]) -> str:
     ratios = list(PAIRS)
+    with_lanes = any("lanes" in r for r in result["results"])  # earlier output kept no lanes
     lines = [
         f"{'shape':<22}{'dev':<5}{'layers':>7}{'piece':>7}{'GiB':>6}{'pack':>9}{'unpack':>9}{'copy':>9}"
         f"{'peer_p':>8}{'peer_u':>8}  " + "".join(f"{name:<19}" for name in ratios)
+        + ("lanes p/u" if with_lanes else "")
     ]
     for r in result["results"]:
         for prefix in ("", "kernel_") if "kernel_gbps" in r else ("",):
@@ -343,10 +383,14 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{r['bytes_per_piece']:>7}{r['bytes'] / 2**30:>6.2f}{g['pack']:>9.2f}{g['unpack']:>9.2f}"
                 f"{g['copy']:>9.2f}{g['peer_pack']:>8.2f}{g['peer_unpack']:>8.2f}  "
                 + "".join(f"{_cell(r, name + suffix):<19}" for name in ratios)
+                + (_lanes_cell(r) if with_lanes else "")
             )
     lines.append("GB/s (median per method); pack_vs_copy = pack speed / memcpy (GPU: device copy) of the same bytes, "
                  "pack_vs_peer = pack / fancy-indexing peer: median of per-round ratios (min-max); cuda/k = "
                  "kernel time from CUDA events")
+    if with_lanes:
+        lines.append("lanes p/u = source pages a streamed pack / unpack read at once (* = chosen by the lane tuner "
+                     "from its medians)")
     copy_methods = sorted({r["copy_method"] for r in result["results"] if "copy_method" in r})
     lines.extend(f"copy = {method}" for method in copy_methods)
     lines.append(result["note"])
