@@ -138,10 +138,17 @@ inline void copy_segment(const PagedCopySpec& s, const PlaneGroup& g, int64_t j,
   } else if (lanes_fit(s, g, copy)) {
     copy_rows_hnd<kDir>(s, g, j, k, len, copy);
   } else {
-    // Head by head, so staging rows are written in order.
+    // Head by head, each plane's rows in one strided run: staging rows are written in order, and a page's
+    // interleaved rows are read in two passes over the same lines.
     for (int64_t h = 0; h < Hs; ++h) {
-      for (int64_t t = 0; t < len; ++t) {
-        for (int64_t p = 0; p < g.count; ++p) move(p, (j + t) * ts + (h0 + h) * hs, (h * Bs + k + t) * R, R);
+      for (int64_t p = 0; p < g.count; ++p) {
+        char* paged = g.paged[p] + j * ts + (h0 + h) * hs;
+        char* staged = g.staged[p] + (h * Bs + k) * R;
+        if (kDir == Direction::Pack) {
+          copy.copy_strided(staged, R, paged, ts, len, R);
+        } else {
+          copy.copy_strided(paged, ts, staged, R, len, R);
+        }
       }
     }
   }
