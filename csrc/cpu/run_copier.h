@@ -1,15 +1,16 @@
-// RunCopier: copies a stream of disjoint runs (dst, src, n), streaming large copies past the cache from several
-// source pages at once.
+// RunCopier: copies a stream of disjoint runs (dst, src, n), streaming large copies past the cache, from one
+// source page at a time or from several at once (lanes).
 //
-// Why lanes: pack reads pieces scattered over the cache. One non-temporal copy loop reads one page at a time, and
-// the hardware prefetcher stops at every 4 KiB page boundary, so a scattered 32 KiB piece runs at ~0.65x of a
-// contiguous memcpy. Copying 64-byte lines from kLanes chunks in turn keeps kLanes page streams in flight
-// (glibc's large memcpy does the same across 4 pages), which brings scattered copies back to memcpy speed. Runs
-// are queued until that many chunks of one length are waiting, so short runs (one 4 KiB TP8 piece) are
-// interleaved too; rows of a vLLM 0.32 FlashAttention page (256 B) go 8 at a time through copy_rows. An unpack
-// reads its staging in order and takes one lane (see the constructor). Lanes do not move in lockstep at equal
-// offsets: page-aligned runs would then load and store addresses with the same low 12 bits back to back (see
-// stream_lanes).
+// Why lanes: pack reads pieces scattered over the cache. On a Xeon VM, one non-temporal copy loop reading one page
+// at a time stalled at every 4 KiB page boundary (the hardware prefetcher stops there): a scattered 32 KiB piece
+// ran at ~0.65x of a contiguous memcpy. Copying 64-byte lines from kLanes chunks in turn keeps kLanes page streams
+// in flight (glibc's large memcpy does the same across 4 pages). Runs are queued until that many chunks of one
+// length are waiting, so short runs (one 4 KiB TP8 piece) are interleaved too; rows of a vLLM 0.32 FlashAttention
+// page (256 B) go 8 at a time through copy_rows. Lanes do not move in lockstep at equal offsets: page-aligned runs
+// would then load and store addresses with the same low 12 bits back to back (see stream_lanes).
+// Why one lane too: on the EPYC VMs one stream per run is faster for 32 KiB pieces and row-by-row pages (lanes
+// still win for 4 KiB pieces), and an unpack reads its staging in order. Which to take is measured per kind of
+// copy (kvshuttle/lane_tuner.h); with one lane a run streams whole, and strided rows go through copy_strided.
 //
 // Runs must not overlap each other (pack and unpack write disjoint bytes); call flush() before the bytes are
 // read, then fence (store_fence) before another thread reads them.
@@ -39,9 +40,7 @@ class RunCopier {
   static constexpr int64_t kChunk = 4096;       // one source page per lane
   static constexpr int64_t kMinStreamed = 256;  // shorter runs: memcpy (a few lines gain nothing)
 
-  // lanes: chunks copied together, 1..kLanes. Lanes pay where the sources are scattered (a pack); an unpack reads
-  // its staging in order, so one stream keeps the prefetcher going, and 4 lanes of scattered non-temporal stores
-  // cost its unpacks a fifth on the vm4 EPYC VM (one-off alternating runs, benchmarks/README.md "Pack / unpack").
+  // lanes: chunks copied together, 1..kLanes (1: each run in order, rows one at a time).
   RunCopier(bool streaming, int lanes)
       : streaming_(streaming), lanes_(lanes < 1 ? 1 : lanes > kLanes ? kLanes : lanes) {}
   RunCopier(const RunCopier&) = delete;
@@ -60,8 +59,7 @@ class RunCopier {
       const int64_t body = n & ~(kLine - 1);
       if (n > body) std::memcpy(dst + body, src + body, static_cast<size_t>(n - body));
       if (lanes_ == 1) {  // one stream: the whole run at once
-        dst_[0] = dst, src_[0] = src, length_ = body, count_ = 1;
-        flush();
+        stream_run(dst, src, body);
         return;
       }
       for (int64_t off = 0; off < body; off += kChunk) {
@@ -136,18 +134,21 @@ class RunCopier {
   }
 
 #ifdef KVSHUTTLE_HAVE_SSE2
-  // n bytes (whole lines) in order to a line-aligned destination.
+  // One 64-byte line to a line-aligned destination, past the cache.
+  static void stream_line(char* dst, const char* src) {
+    const __m128i* s = reinterpret_cast<const __m128i*>(src);
+    __m128i* d = reinterpret_cast<__m128i*>(dst);
+    const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+    const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+
+  // n bytes (whole lines) in order.
   static void stream_run(char* dst, const char* src, int64_t n) {
-    for (int64_t off = 0; off < n; off += kLine) {
-      const __m128i* s = reinterpret_cast<const __m128i*>(src + off);
-      __m128i* d = reinterpret_cast<__m128i*>(dst + off);
-      const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
-      const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-      _mm_stream_si128(d, a);
-      _mm_stream_si128(d + 1, b);
-      _mm_stream_si128(d + 2, c);
-      _mm_stream_si128(d + 3, e);
-    }
+    for (int64_t off = 0; off < n; off += kLine) stream_line(dst + off, src + off);
   }
 
   // One 64-byte line of each lane in turn; destinations are line-aligned, sources may be anywhere. Lane k starts
@@ -165,14 +166,7 @@ class RunCopier {
       for (int k = 0; k < kCount; ++k) {
         const int64_t off = next[k] * kLine;
         next[k] = next[k] + 1 == lines ? 0 : next[k] + 1;
-        const __m128i* s = reinterpret_cast<const __m128i*>(src_[k] + off);
-        __m128i* d = reinterpret_cast<__m128i*>(dst_[k] + off);
-        const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
-        const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-        _mm_stream_si128(d, a);
-        _mm_stream_si128(d + 1, b);
-        _mm_stream_si128(d + 2, c);
-        _mm_stream_si128(d + 3, e);
+        stream_line(dst_[k] + off, src_[k] + off);
       }
     }
   }
