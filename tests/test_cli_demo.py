@@ -36,6 +36,12 @@ def test_bench_pack_json_is_one_object_with_ratios() -> None:
         assert r["bytes"] == 64 * 2 * 2 * r["bytes_per_piece"] and r["pieces"] == 64 * 2 * 2
         assert r["pack_vs_copy"] > 0 and r["unpack_vs_peer"] > 0 and r["verified"]
         assert r["copy_method"].startswith("memcpy")
+        # Packs of 1-8 MiB stay below the streaming threshold: no lanes. Unpacks stream; from 4 MiB they are timed
+        # (tuned between 1 and 4 lanes), below that they take the prior, one lane.
+        assert r["lanes"]["pack"] == {"lanes": None, "tuned": False}
+        unpack = r["lanes"]["unpack"]
+        timed = r["bytes"] >= 4 << 20
+        assert unpack["tuned"] == timed and unpack["lanes"] in ((1, 4) if timed else (1,))
 
 
 @pytest.mark.parametrize("bench", ["plan", "policy", "retention"])

@@ -11,6 +11,9 @@ The five methods (pack, unpack, copy, peer_pack, peer_unpack) are interleaved ro
 round, with their spread. On a GPU each round enqueues ``--batch`` calls back to back and synchronizes once
 (end-to-end time, host included), then times the same batch with CUDA events queued behind a device sleep, so
 the host's enqueueing leaves no gaps between the calls: ``kernel_seconds`` is the device's own time.
+On the CPU, 8 untimed rounds come first, so the lane tuner (csrc/include/kvshuttle/lane_tuner.h) has measured one
+and four source lanes for each copy before timing, as a serving engine's earlier copies would have; ``lanes`` in
+each result says what it chose and the medians behind it (``--lanes`` fixes it instead).
 After timing, the bytes are checked: staging against the peer's gather, the cache after unpacking into
 zeroed blocks against the peer, and the memcpy copy against staging.
 """
@@ -210,7 +213,8 @@ def _run_cpu(shape: ModelShape, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _lanes(ext: Any) -> dict[str, Any]:
-    """Per direction: the lanes fixed by --lanes, or the tuner's choice and its medians by candidate."""
+    """Per direction: the lanes fixed by --lanes, or the tuner's choice and its medians by candidate (lanes None:
+    no copy streamed, so none took lanes)."""
     out: dict[str, Any] = {}
     for direction in (ext.Direction.PACK, ext.Direction.UNPACK):
         name = direction.name.lower()
@@ -220,7 +224,7 @@ def _lanes(ext: Any) -> dict[str, Any]:
             out[name] = {"lanes": fixed or None, "tuned": False}
             continue
         t = max(rows, key=lambda row: row.decisions)  # the timed copies' kind (the checks' are alike)
-        out[name] = {"lanes": t.lanes, "tuned": True, "decisions": t.decisions,
+        out[name] = {"lanes": t.lanes, "tuned": t.decisions > 0, "decisions": t.decisions,  # 0: too short to time
                      "gbps_by_lanes": {str(c): round(g, 3) for c, g in zip(ext.LaneTuner.candidates, t.median_gbps,
                                                                              strict=True)},
                      "timed_by_lanes": {str(c): n for c, n in zip(ext.LaneTuner.candidates, t.timed, strict=True)}}
