@@ -8,7 +8,7 @@
 // length are waiting, so short runs (one 4 KiB TP8 piece) are interleaved too; rows of a vLLM 0.32 FlashAttention
 // page (256 B) go 8 at a time through copy_rows. Lanes do not move in lockstep at equal offsets: page-aligned runs
 // would then load and store addresses with the same low 12 bits back to back (see stream_lanes).
-// Why one lane too: on the EPYC VMs one stream per run is faster for 32 KiB pieces and row-by-row pages (lanes
+// Why one lane too: on one EPYC VM (vm5) one stream per run is faster for 32 KiB pieces and row-by-row pages (lanes
 // still win for 4 KiB pieces), and an unpack reads its staging in order. Which to take is measured per kind of
 // copy (kvshuttle/lane_tuner.h); with one lane a run streams whole, and strided rows go through copy_strided.
 //
