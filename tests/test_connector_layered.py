@@ -37,6 +37,7 @@ from kvshuttle.integrations.vllm.worker import ShuttleWorker
 from kvshuttle.policy import Decision, parse_handle
 from kvshuttle.policy.decision import Reason
 from kvshuttle.transfer import LayerProgress
+from prefix_cache_double import PrefixCacheDouble
 from test_vllm_scheduler import SECRET, granted, request, words
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,7 +61,9 @@ def worker(engine_id: str, seed: int, **extra: Any) -> tuple[ShuttleWorker, Host
 
 def scheduler(engine_id: str, tp_size: int = 1, num_layers: int = GEO.num_layers, **extra: Any) -> ShuttleScheduler:
     config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, **TIMEOUT, **extra}, model="m")
-    return ShuttleScheduler(config, engine_id, BS, secret=SECRET, tp_size=tp_size, num_layers=num_layers)
+    s = ShuttleScheduler(config, engine_id, BS, secret=SECRET, tp_size=tp_size, num_layers=num_layers)
+    s.bind_prefix_cache(PrefixCacheDouble(BS))  # what the facade finds in vLLM (sync_loads.py)
+    return s
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,8 @@ def schedule(s: ShuttleScheduler, history: list[int], params: dict[str, Any], ta
     req = request(rid, [*history[:HISTORY - 1], *words(40, seed=99)], dict(params))
     answer = s.get_num_new_matched_tokens(req, 0)
     if answer[0]:
+        if s.sync_loads is not None and isinstance(s.sync_loads.cache, PrefixCacheDouble):
+            s.sync_loads.cache.allocate(rid, table, len(req.prompt_token_ids))  # vLLM's allocate_slots
         s.update_state_after_alloc(req, [table], answer[0])
     return answer, s.build_connector_meta()
 
@@ -269,21 +274,24 @@ def test_less_than_a_block_to_read_layer_by_layer_is_read_asynchronously() -> No
     assert s.config.load_mode == "layered"
 
 
+PAYS = {"kv_bytes_per_token": 64, "bandwidth_bytes_per_s": 1e9, "prefill_tokens_per_s": 1}
+
+
 @pytest.mark.parametrize(("reader_tp", "layers", "cost", "layered"), [
-    (1, 4, None, True),  # same TP (direct reads), several layers: layer by layer
-    (2, 4, None, False),  # owner at TP=1, reader at TP=2: head slices are packed and land whole
-    (1, 1, None, False),  # one layer: nothing to overlap
+    (1, 4, PAYS, True),  # same TP (direct reads), several layers, an estimate that says it pays: layer by layer
+    (1, 4, None, False),  # no estimate: never layer by layer (it would hold up the step on a guess)
+    (2, 4, PAYS, False),  # owner at TP=1, reader at TP=2: head slices are packed and land whole
+    (1, 1, PAYS, False),  # one layer: nothing to overlap
     (1, 4, {"kv_bytes_per_token": 2**20, "bandwidth_bytes_per_s": 1e6, "prefill_tokens_per_s": 0.01},
      False),  # the cost model expects a read longer than half of kvshuttle_layered_timeout_s
-    (1, 4, {"kv_bytes_per_token": 64, "bandwidth_bytes_per_s": 1e9, "prefill_tokens_per_s": 1}, True),
     (1, 4, "cpu host", False),  # the copy shares the compute cores: measured slower (benchmarks/README.md)
 ])
 def test_auto_reads_layer_by_layer_where_it_pays(decode: Any, reader_tp: int, layers: int,
                                                  cost: dict[str, float] | str | None, layered: bool) -> None:
     history, params = decode_turn(decode, 9)
     extra: dict[str, Any] = {"kvshuttle_load_mode": "auto"}
-    if isinstance(cost, dict):
-        extra["kvshuttle_cost_model"] = cost
+    if isinstance(cost, dict) or cost == "cpu host":
+        extra["kvshuttle_cost_model"] = PAYS if cost == "cpu host" else cost
     s = scheduler("pre", tp_size=reader_tp, num_layers=layers, **extra)
     s.cpu_host = cost == "cpu host"
     (tokens, asynchronous), meta = schedule(s, history, params, table())

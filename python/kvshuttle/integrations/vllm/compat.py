@@ -11,7 +11,10 @@ the hooks below are the only places that touch vLLM's objects.
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger("kvshuttle.vllm")
@@ -47,8 +50,10 @@ __all__ = [
     "KVConnectorStats",
     "KVConnectorWorkerMetadata",
     "Parallel",
+    "VllmPrefixCache",
     "attention_backend",
     "check_version",
+    "engine_prefix_cache",
     "force_recompute_on_load_failure",
     "model_name",
     "parallel_layout",
@@ -132,3 +137,55 @@ def worker_tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+class VllmPrefixCache:
+    """vLLM's prefix cache (the scheduler's ``KVCacheManager``) as :class:`.sync_loads.PrefixCache`: which blocks
+    a request holds, how many of them vLLM counts as cached, and eviction and caching of them. Built only over one
+    KV-cache group (the connector does not declare SupportsHMA; vLLM's own invalid-block handling needs one)."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._counts: dict[str, int] = manager.coordinator.single_type_managers[0].num_cached_block
+        self.enabled = bool(manager.enable_caching)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        groups = self._manager.get_block_ids(request_id)
+        return [int(b) for b in groups[0]] if groups else []
+
+    def cached_blocks(self, request_id: str) -> int:
+        return int(self._counts.get(request_id, 0))
+
+    def set_cached_blocks(self, request_id: str, count: int) -> None:
+        """vLLM caches a request's full blocks from this count on at its next allocation (or ``cache``)."""
+        if request_id in self._counts:
+            self._counts[request_id] = count
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Take the blocks out of the prefix cache (no lookup finds them); their owners keep them."""
+        self._manager.evict_blocks(set(block_ids))
+
+    def cache(self, request: Any, num_tokens: int) -> None:
+        """Cache ``request``'s full blocks of its first ``num_tokens`` tokens, from vLLM's count on."""
+        self._manager.cache_blocks(request, num_tokens)
+
+
+def engine_prefix_cache(connector: Any, depth: int = 6) -> VllmPrefixCache | None:
+    """The prefix cache of the vLLM scheduler that owns ``connector``, found among the callers of a scheduler
+    hook (vLLM hands its connector no reference to the scheduler); None when no caller within ``depth`` frames
+    owns it, or its cache manager is not of the shape this module knows (one KV-cache group)."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not None and getattr(owner, "connector", None) is connector:
+            manager = getattr(owner, "kv_cache_manager", None)
+            try:
+                if len(manager.coordinator.single_type_managers) != 1:  # type: ignore[union-attr]
+                    return None
+                return VllmPrefixCache(manager)
+            except AttributeError:
+                return None
+        frame = frame.f_back
+    return None

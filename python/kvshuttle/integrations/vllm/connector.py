@@ -24,6 +24,7 @@ from .compat import (
     KVConnectorWorkerMetadata,
     attention_backend,
     check_version,
+    engine_prefix_cache,
     force_recompute_on_load_failure,
     model_name,
     on_cpu,
@@ -72,6 +73,8 @@ class KVShuttleConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         try:
+            if not self._scheduler.prefix_cache_bound:  # vLLM's scheduler is the caller: find its prefix cache once
+                self._scheduler.bind_prefix_cache(engine_prefix_cache(self))
             return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception as exc:
             self._guard.failed("get_num_new_matched_tokens", exc, request)
@@ -113,7 +116,8 @@ class KVShuttleConnector(KVConnectorBase_V1):
             worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             sending, recving = self._scheduler.update_connector_output(
                 connector_output.finished_sending, getattr(connector_output, "invalid_block_ids", None),
-                getattr(connector_output, "finished_recving", None), getattr(worker_meta, "ended", None))
+                getattr(connector_output, "finished_recving", None), getattr(worker_meta, "ended", None),
+                getattr(worker_meta, "landed", None))
             # vLLM frees and admits from these right after this hook: only ids this side vouches for
             connector_output.finished_sending = sending or None
             connector_output.finished_recving = recving or None

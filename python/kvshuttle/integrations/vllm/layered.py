@@ -9,12 +9,15 @@ settled: it must have landed whole, been confirmed by every owner rank, *and* th
 for every one of its layers and seen it landed. Anything else (a refused claim, a failed, late or unconfirmed
 read, a layer the forward pass computed without waiting: an attention backend that never calls
 ``wait_for_layer_load``) reports the load's blocks invalid in this same step's output. vLLM then discards the
-step's result for the request (no token of it is emitted) and recomputes from the first invalid block, which
-also rewrites those blocks before any later step reads them from its prefix cache.
+step's result for the request (no token of it is emitted) and recomputes from the first invalid block. vLLM would
+also keep those blocks in its prefix cache, as hits for other requests before (or without) that recompute; the
+scheduler side keeps them out of it until the load is reported landed (``sync_loads.py``, fed by the ``landed``
+set this side reports in ``ShuttleWorkerMeta``).
 
 A layer's wait never outlasts the load's deadline (``kvshuttle_layered_timeout_s`` from the scheduling
-decision, within ``kvshuttle_load_timeout_s``): a slow or dead owner costs the step at most that, and a read
-still pending then is cancelled by its own deadline.
+decision, within ``kvshuttle_load_timeout_s``), and the step's loads are settled together: however many owners
+are slow or dead, the step waits at most the latest deadline plus ``SETTLE_GRACE_S``, and a read still pending
+then is cancelled by its own deadline.
 """
 
 from __future__ import annotations
@@ -91,16 +94,18 @@ class LayeredLoads:
             load.blocked_s += time.monotonic() - before
         self.waited_s += time.monotonic() - started
 
-    def settle(self) -> list[ReuseResult]:
-        """End the step's loads: each one's result, a failure for every load that must recompute."""
+    def settle(self) -> list[tuple[LoadJob, ReuseResult]]:
+        """End the step's loads: each one's job and result, a failure for every load that must recompute. However
+        many loads are stuck, this waits at most until the latest deadline plus one grace period, together."""
         loads, self._loads = self._loads, []
-        return [self._outcome(load) for load in loads]
+        settle_by = max((load.deadline for load in loads), default=0.0) + SETTLE_GRACE_S
+        return [(load.job, self._outcome(load, settle_by)) for load in loads]
 
-    def _outcome(self, load: _Load) -> ReuseResult:
+    def _outcome(self, load: _Load, settle_by: float) -> ReuseResult:
         log.info("kvshuttle: request %s: the forward pass waited %.1f ms for its %d layers' KV", load.job.request_id,
                  load.blocked_s * 1e3, len(load.waited))
         try:
-            result = load.future.result(timeout=max(load.deadline - time.monotonic(), 0.0) + SETTLE_GRACE_S)
+            result = load.future.result(timeout=max(settle_by - time.monotonic(), 0.0))
         except FutureTimeout:
             return load_failure(load.job, Failure.TRANSFER_TIMEOUT, "the layer-pipelined load did not end by its "
                                                                     "deadline")

@@ -75,12 +75,18 @@ class ShuttleMetadata(KVConnectorMetadata):
 @dataclass
 class ShuttleWorkerMeta(KVConnectorWorkerMetadata):
     """What a worker tells the scheduler each step (vLLM aggregates every rank's): the requests whose retention
-    ended on this rank (expired, released, evicted, consumed), so that the scheduler ends them on every rank."""
+    ended on this rank (expired, released, evicted, consumed), so that the scheduler ends them on every rank; and
+    the layered loads this rank settled whole in the step (summed over ranks: a load landed when every rank says
+    so), so that the scheduler lets their blocks into vLLM's prefix cache (``sync_loads.py``)."""
 
     ended: set[str] = field(default_factory=set)
+    landed: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> ShuttleWorkerMeta:
-        return ShuttleWorkerMeta(self.ended | set(getattr(other, "ended", ()) or ()))
+        landed = dict(self.landed)
+        for request_id, ranks in (getattr(other, "landed", None) or {}).items():
+            landed[request_id] = landed.get(request_id, 0) + ranks
+        return ShuttleWorkerMeta(self.ended | set(getattr(other, "ended", ()) or ()), landed)
 
 
 @dataclass

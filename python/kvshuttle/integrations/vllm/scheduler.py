@@ -46,6 +46,7 @@ from .config import ShuttleConfig
 from .metadata import LoadJob, Publication, RetainJob, ShuttleHandshake, ShuttleMetadata
 from .requests import block_table, finished_normally, unsupported
 from .stats import ShuttleStats
+from .sync_loads import PrefixCache, SyncLoadGuard
 
 log = logging.getLogger("vllm.kvshuttle")  # under vLLM's logger: its handler shows INFO lines
 CONSUMED = PREFIX + "consumed"  # set in a request's params once its load is scheduled: never load twice
@@ -76,6 +77,16 @@ class ShuttleScheduler:
         self._reads: dict[str, tuple[int, frozenset[int]]] = {}  # request -> (tokens read, target blocks)
         self._warned: set[str] = set()
         self.counts: dict[str, int] = {}
+        # A layered load's blocks are held out of vLLM's prefix cache until its step reports (sync_loads.py); no
+        # layered load without it. None until bound to the engine's cache (``bind_prefix_cache``).
+        self.sync_loads: SyncLoadGuard | None = None
+        self.prefix_cache_bound = False
+
+    def bind_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """The engine's prefix cache (``compat.engine_prefix_cache``; None: not found, layered loads are read
+        asynchronously instead)."""
+        self.prefix_cache_bound = True
+        self.sync_loads = SyncLoadGuard(cache, self.block_size, self.tp_size) if cache is not None else None
 
     # -- where the workers serve ------------------------------------------------------------------------
     @property
@@ -150,14 +161,22 @@ class ShuttleScheduler:
         read's copy shares the cores the forward pass computes on: measured slower than the asynchronous load,
         benchmarks/README.md), and only where the reads are direct (owner and reader at the same TP size: whole
         heads; a head slice is packed and lands whole), the model has more than one layer to overlap, and the cost
-        model (if set) expects the read to take at most half of ``kvshuttle_layered_timeout_s``, the longest it
-        may hold up the step's forward pass."""
+        model expects the read to take at most half of ``kvshuttle_layered_timeout_s``, the longest it may hold up
+        the step's forward pass (no estimate: no layered read). Either mode needs the guard that keeps the load's
+        blocks out of vLLM's prefix cache until they landed (``sync_loads.py``)."""
         mode = self.config.load_mode
-        if mode != "auto":
-            return mode == "layered"
-        expected = decision.cost.transfer_s if decision.cost is not None else 0.0
-        return not self.cpu_host and handle.tp_size == self.tp_size and self.num_layers != 1 \
-            and expected <= self.config.layered_timeout_s / 2
+        if mode == "auto":
+            if decision.cost is None or self.cpu_host or handle.tp_size != self.tp_size or self.num_layers == 1 \
+                    or decision.cost.transfer_s > self.config.layered_timeout_s / 2:
+                return False
+        elif mode != "layered":
+            return False
+        if self.sync_loads is None:  # its blocks could reach the prefix cache before they land: read asynchronously
+            self._warn_once("layered_without_guard", "kvshuttle: layer-pipelined loads need the engine's prefix cache "
+                                                     "(to keep a load's blocks out of it until they landed), which "
+                                                     "this vLLM does not expose; reading asynchronously instead")
+            return False
+        return True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         held = self._decisions.get(request.request_id)  # kept until the commit: fail_load needs it
@@ -180,6 +199,8 @@ class ShuttleScheduler:
         self._loads.append(job)
         if not layered:  # vLLM waits for finished_recving only for an asynchronous load
             self._awaiting.add(request.request_id)
+        elif self.sync_loads is not None:  # vLLM cached the blocks just now: out until the load landed
+            self.sync_loads.hold(request, first, local)
 
     def fail_load(self, request: Any, blocks: Any, num_external_tokens: int, why: str) -> None:
         """vLLM waits for ``num_external_tokens`` of ``request`` that will not come (a bug on this side): queue a
@@ -215,6 +236,8 @@ class ShuttleScheduler:
         """Decide everything first, then commit: nothing after the commit can fail, so a True answer always
         has its RetainJob queued (vLLM keeps the blocks only for the worker's finished_sending)."""
         request_id = request.request_id
+        if self.sync_loads is not None:  # (before vLLM frees the blocks)
+            self.sync_loads.finished(request)
         self._decisions.pop(request_id, None)
         read, _ = self._reads.pop(request_id, (0, frozenset()))
         params = request.kv_transfer_params
@@ -302,7 +325,8 @@ class ShuttleScheduler:
 
     def update_connector_output(self, finished_sending: set[str] | None, invalid_block_ids: set[int] | None,
                                 finished_recving: set[str] | None = None,
-                                ended: set[str] | None = None) -> tuple[set[str], set[str]]:
+                                ended: set[str] | None = None,
+                                landed: dict[str, int] | None = None) -> tuple[set[str], set[str]]:
         """Take the workers' report; returns (finished_sending, finished_recving) as vLLM may see them: ids this
         side never kept, or never scheduled a load for, or already saw reported, are dropped (counted, logged
         once). vLLM asserts on such an id, and that would take the whole EngineCore down.
@@ -310,7 +334,10 @@ class ShuttleScheduler:
         ``ended``: requests whose retention ended on some rank (``ShuttleWorkerMeta``). With tensor parallelism
         the next step tells every rank to end them too, so that an eviction, release, expiry or use-once read
         on one rank frees the blocks (vLLM frees them when every rank reported) and no rank serves a handle
-        another rank dropped."""
+        another rank dropped. ``landed``: the layered loads each rank settled whole in the step reported (with
+        ``invalid_block_ids``, what the prefix-cache guard needs to release or drop their blocks)."""
+        if self.sync_loads is not None:
+            self.sync_loads.settle(landed, invalid_block_ids)
         if self.tp_size > 1 and ended:  # not those freed in this very report (every rank's TTL sweep at once)
             news = sorted((set(ended) & (self._held - set(finished_sending or ()))) - self._ending)
             self._releases.extend(news)
@@ -339,10 +366,14 @@ class ShuttleScheduler:
         return {"decisions": len(self._decisions), "loads": len(self._loads), "retains": len(self._retains),
                 "publications": len(self._publications), "held": len(self._held), "reads": len(self._reads),
                 "awaiting": len(self._awaiting), "releases": len(self._releases),
-                "ending": len(self._ending)}
+                "ending": len(self._ending), "sync_loads": len(self.sync_loads or ())}
 
     def take_stats(self) -> ShuttleStats:
         """Decisions counted since the last call (vLLM merges them with the worker's)."""
+        if self.sync_loads is not None:
+            for what, n in self.sync_loads.counts.items():
+                self.counts[f"sync_load.{what}"] = self.counts.get(f"sync_load.{what}", 0) + n
+            self.sync_loads.counts = {}
         stats, self.counts = ShuttleStats.counting(self.counts, "decision"), {}
         return stats
 

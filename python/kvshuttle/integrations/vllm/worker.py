@@ -62,6 +62,7 @@ class ShuttleWorker:
         self.layered = LayeredLoads({}, 0)  # this step's layer-pipelined loads (layered.py)
         self._retained: dict[str, str] = {}  # request -> handle id: its RetainJob came here, not reported yet
         self._ended: set[str] = set()  # retentions that ended here since the last worker_meta (TP > 1)
+        self._landed: set[str] = set()  # layered loads settled whole since the last worker_meta
         self._released: set[str] = set()  # of those, the ones whose retention ended
         self._seen_finished: set[str] = set()  # of those, the ones vLLM named finished (a report needs both)
         self._unmatched: dict[str, int] = {}  # finished ids with no retention here (yet) -> step seen
@@ -122,10 +123,13 @@ class ShuttleWorker:
 
     def worker_meta(self) -> ShuttleWorkerMeta | None:
         """The retentions that ended on this rank since the last call (TP > 1: the scheduler ends them on every
-        rank); None when there is nothing to say."""
+        rank) and the layered loads that landed whole (their blocks may enter the prefix cache); None when there is
+        nothing to say."""
+        self.settle_layered()  # (vLLM calls wait_for_save first; a step's loads are reported in its own output)
         with self._lock:
             ended, self._ended = self._ended, set()
-        return ShuttleWorkerMeta(ended) if ended else None
+            landed, self._landed = self._landed, set()
+        return ShuttleWorkerMeta(ended, dict.fromkeys(landed, 1)) if ended or landed else None
 
     # -- every step -----------------------------------------------------------------------------------------
     def start(self, meta: ShuttleMetadata) -> None:
@@ -157,9 +161,11 @@ class ShuttleWorker:
             return
         settled = self.layered.settle()
         with self._lock:
-            for result in settled:
+            for job, result in settled:
                 self._stats.add_result(result)
                 self._load_errors.update(result.invalid_block_ids)
+                if result.action == "fetched":
+                    self._landed.add(job.request_id)
             self._stats.data["layered.loads"] = self._stats.data.get("layered.loads", 0) + len(settled)
             self._stats.data["layered.wait_s"] = self._stats.data.get("layered.wait_s", 0.0) + self.layered.waited_s
             self.layered.waited_s = 0.0
@@ -221,7 +227,8 @@ class ShuttleWorker:
         with self._lock:
             return {"loading": len(self._loading), "failed": len(self._failed), "retained": len(self._retained),
                     "released": len(self._released), "seen_finished": len(self._seen_finished),
-                    "unmatched": len(self._unmatched), "load_errors": len(self._load_errors)}
+                    "unmatched": len(self._unmatched), "load_errors": len(self._load_errors),
+                    "landed": len(self._landed)}
 
     def release_cache(self) -> None:
         """The KV cache is about to be released or remapped (vLLM 0.33's sleep or a discard): nothing it holds may
