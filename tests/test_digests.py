@@ -237,3 +237,18 @@ def test_digest_k_equal_iff_prefix_through_block_k_equal(a: list[int], b: list[i
     for k in range(min(len(da), len(db))):
         end_a, end_b = min((k + 1) * block_size, len(a)), min((k + 1) * block_size, len(b))
         assert (da[k] == db[k]) == (a[:end_a] == b[:end_b])
+
+
+def test_a_cache_salt_changes_every_digest_and_keys_stay_apart() -> None:
+    from kvshuttle.policy import salted_key
+
+    tokens = list(range(64))
+    plain = block_digests(tokens, 16, extra_key=b"m")
+    assert salted_key(b"m", None) == salted_key(b"m", "") == b"m"
+    a = block_digests(tokens, 16, extra_key=salted_key(b"m", "a"))
+    b = block_digests(tokens, 16, extra_key=salted_key(b"m", "b"))
+    assert all(x != y for x, y in zip(plain, a, strict=True)) and all(x != y for x, y in zip(a, b, strict=True))
+    # injective: moving bytes between the model key and the salt never gives the same key
+    assert salted_key(b"ab", "c") != salted_key(b"a", "bc") and salted_key(b"m", "a") != b"m" + b"a"
+    with pytest.raises(DigestError):
+        salted_key(b"m", 5)

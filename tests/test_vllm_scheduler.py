@@ -266,13 +266,13 @@ def test_a_forged_or_edited_handle_recomputes_and_is_counted() -> None:
 
 
 def test_requests_whose_tokens_do_not_name_their_kv_neither_read_nor_keep() -> None:
-    """Prompt embeddings (no token ids), multimodal inputs, LoRA adapters, cache salts: digests over their token
-    ids would vouch for the wrong KV, so they recompute and are not retained; none of them raises."""
+    """Prompt embeddings (no token ids), multimodal inputs, LoRA adapters: digests over their token ids would vouch
+    for the wrong KV, so they recompute and are not retained; none of them raises."""
     decode, s = scheduler(), scheduler()
     history = words(300)
     params = granted(dict(decode_turn(decode, history), do_remote_decode=True))
     cases: list[dict[str, Any]] = [{"prompt_token_ids": None, "all_token_ids": [0] * 300, "prompt_embeds": object()},
-                                   {"mm_features": [object()]}, {"lora_request": object()}, {"cache_salt": "tenant"}]
+                                   {"mm_features": [object()]}, {"lora_request": object()}]
     for i, extra in enumerate(cases):
         req = request(f"u{i}", [*history, 1], dict(params), output=[2])
         vars(req).update(extra)
@@ -280,6 +280,27 @@ def test_requests_whose_tokens_do_not_name_their_kv_neither_read_nor_keep() -> N
         assert s.request_finished(req, [list(range(10))]) == (False, None)
     assert s.counts["unsupported"] == 2 * len(cases)
     assert s.build_connector_meta().retains == [] and all(v == 0 for v in s.state_sizes().values())
+
+
+def test_a_cache_salt_goes_into_every_digest_so_a_handle_verifies_only_under_its_own_salt() -> None:
+    """vLLM's cache_salt (the router sets one per tenant) isolates prefix caches; a reverse read must respect it:
+    a handle issued for a salted request reads back only into a request with the same salt and tokens."""
+    decode, prefill = scheduler(), scheduler()
+    history = words(300)
+    finished = request("d1", history[:-8], granted({"remote_engine_id": "p"}), output=history[-8:])
+    finished.cache_salt = "tenant-a"
+    keep, out = decode.request_finished(finished, [list(range(100, 110))])
+    assert keep and out is not None
+    salted = dict(out, do_remote_decode=True)
+    unsalted = dict(decode_turn(scheduler(), history), do_remote_decode=True)
+    for i, (salt, params, reads) in enumerate([("tenant-a", salted, True), ("tenant-b", salted, False),
+                                               (None, salted, False), ("tenant-a", unsalted, False),
+                                               (None, unsalted, True)]):
+        req = request(f"s{i}", [*history, 1], dict(params))
+        req.cache_salt = salt
+        tokens, _ = prefill.get_num_new_matched_tokens(req, 0)
+        assert (tokens > 0) is reads, (salt, i)
+    assert prefill.counts["nothing_verified"] == 3
 
 
 def test_a_load_carries_the_authenticated_handle_and_when_it_was_decided() -> None:

@@ -17,7 +17,14 @@ from .decision import (
     estimate_clock_offset,
     parse_handle,
 )
-from .digests import DEFAULT_DIGEST_SIZE, DigestError, PromptDigests, block_digests, from_vllm_block_hashes
+from .digests import (
+    DEFAULT_DIGEST_SIZE,
+    DigestError,
+    PromptDigests,
+    block_digests,
+    from_vllm_block_hashes,
+    salted_key,
+)
 from .kv_handle import HandleAuthError, HandleFormatError, KVHandle
 
 __all__ = [
@@ -39,4 +46,5 @@ __all__ = [
     "estimate_clock_offset",
     "from_vllm_block_hashes",
     "parse_handle",
+    "salted_key",
 ]

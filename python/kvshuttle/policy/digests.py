@@ -76,6 +76,19 @@ def _key(extra_key: bytes) -> bytes:
     return bytes(extra_key)
 
 
+def salted_key(extra_key: bytes, cache_salt: object) -> bytes:
+    """The extra key of a request that carries vLLM's ``cache_salt`` (a tenant's or a conversation's prefix-cache
+    isolation): the salt changes every digest of the chain, so a handle issued for one salt never verifies a
+    prompt with another, or with none. Without a salt the key is unchanged. Injective: a salted key starts with
+    ``salted`` and a NUL byte, which no model or adapter name (the unsalted keys) contains, then the key's length."""
+    key = _key(extra_key)
+    if cache_salt is None or cache_salt == "":
+        return key
+    if not isinstance(cache_salt, str):
+        raise DigestError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    return b"salted\0" + len(key).to_bytes(4, "little") + key + cache_salt.encode("utf-8", "surrogatepass")
+
+
 def encode_tokens(token_ids: TokenIds) -> bytes:
     """Token ids as contiguous little-endian uint32 bytes (the digest's encoding); DigestError if out of range."""
     if _ARRAY_U32 and isinstance(token_ids, (list, tuple)):

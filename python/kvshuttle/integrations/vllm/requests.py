@@ -16,16 +16,15 @@ def finished_normally(request: Any) -> bool:
 def unsupported(request: Any) -> str:
     """Why ``request``'s token ids do not determine its KV ("" when they do), so that block digests over them
     could vouch for the wrong KV: prompt embeddings (no token ids at all), multimodal inputs (placeholder
-    tokens stand for different images), a LoRA adapter (other weights) or a cache salt (a tenant's isolated
-    prefix cache). Such requests neither read nor keep KV; they recompute."""
+    tokens stand for different images) or a LoRA adapter (other weights). Such requests neither read nor keep KV;
+    they recompute. (A cache salt, a tenant's isolated prefix cache, is served: it goes into every block digest,
+    so its handles verify only prompts under the same salt.)"""
     if getattr(request, "prompt_token_ids", None) is None or getattr(request, "prompt_embeds", None) is not None:
         return "its prompt is embeddings, not token ids"
     if getattr(request, "mm_features", None):
         return "it has multimodal inputs"
     if getattr(request, "lora_request", None) is not None:
         return "it uses a LoRA adapter"
-    if getattr(request, "cache_salt", None):
-        return "it carries a cache salt"
     return ""
 
 

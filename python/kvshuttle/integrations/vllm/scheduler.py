@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 import secrets
 import time
 from typing import Any
 
 from ...core.blocks import blocks_for_tokens
 from ...errors import KVShuttleError
-from ...policy import Decision, KVHandle, block_digests, decide, parse_handle
+from ...policy import Decision, KVHandle, PolicyConfig, block_digests, decide, parse_handle, salted_key
 from ...policy.decision import Reason
 from ...policy.kv_handle import PREFIX
 from ...transfer.board import PUBLISH_KEY, check_publish_key
@@ -137,7 +138,7 @@ class ShuttleScheduler:
             self._record(request.request_id, handle)
             return 0, False
         decision = decide(request.prompt_token_ids, local_hit_tokens=num_computed_tokens, handle=handle,
-                          now_wall=time.time(), config=self.policy)
+                          now_wall=time.time(), config=self._salted(request))
         tokens = decision.fetch_token_range
         if decision.fetch and (tokens.start != num_computed_tokens or tokens.start % self.block_size):
             self._count("misaligned")
@@ -177,6 +178,14 @@ class ShuttleScheduler:
                                                      "this vLLM does not expose; reading asynchronously instead")
             return False
         return True
+
+    def _salted(self, request: Any) -> PolicyConfig:
+        """The policy for ``request``: its ``cache_salt`` (a tenant's prefix-cache isolation, set by the router)
+        goes into every block digest, so a handle issued under one salt never verifies a prompt under another."""
+        salt = getattr(request, "cache_salt", None)
+        if not salt:
+            return self.policy
+        return replace(self.policy, extra_key=salted_key(self.policy.extra_key, salt))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         held = self._decisions.get(request.request_id)  # kept until the commit: fail_load needs it
@@ -308,7 +317,7 @@ class ShuttleScheduler:
         ttl = self.config.prefill_ttl_s if prefill else self.config.decode_ttl_s
         now = time.time()
         digests = tuple(block_digests(list(request.all_token_ids[:tokens]), self.block_size,
-                                      extra_key=self.policy.extra_key))
+                                      extra_key=self._salted(request).extra_key))
         ranks = tuple(r.address for r in self._ranks) if self.tp_size > 1 else ()
         handle = KVHandle(self.engine_id, request.request_id, self.address.host, self.address.port, tuple(table),
                           tokens, now + ttl, self.tp_size, secrets.token_urlsafe(18), 0, self.block_size, digests,
