@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
 import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 from ...core.blocks import blocks_for_tokens
