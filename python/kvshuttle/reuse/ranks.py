@@ -6,7 +6,9 @@ reads exactly its own heads from an owner at TP ``b``: :func:`~kvshuttle.core.ra
 the head slices and the owner rank each comes from. The read is all or nothing: it connects to and claims on
 every owner rank involved, reads every slice, and confirms with every rank; if any rank fails (connect,
 claim, read or confirmation) every other claim still open is finished with ``ok=False`` (the owner unpins)
-and every local target block is reported invalid, with the failing rank named. Each claim says how many reader
+and every local target block is reported invalid, with the failing rank named. A read that NIXL could not cancel
+keeps its blocks and the owners' pins: the claims are finished only once ``ReuseResult.settled`` is (on a thread
+of their own, so no caller waits on an owner's answer after its deadline). Each claim says how many reader
 ranks read that owner rank (:func:`~kvshuttle.core.ranks.readers_of`), so a use-once handle there is consumed
 only once every one of them has read it.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,7 @@ from ..transfer import (
     LayeredTransfer,
     LayerProgress,
     Peer,
+    Settlement,
     TransferEngine,
     TransferError,
     TransferHandle,
@@ -122,6 +126,7 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
     invalid = tuple(local_ids.tolist())
     peers: dict[int, Peer] = {}
     tickets: dict[int, ClaimTicket] = {}  # open claims: the owner rank still pins the blocks
+    transfers: list[tuple[int, TransferHandle | LayeredTransfer]] = []  # (owner rank, read) started
     claim_s = 0.0
     try:
         if time.monotonic() >= deadline:
@@ -141,7 +146,7 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
         telemetry = _read_slices(reader, decision, local_ids, slices, peers, tickets, addresses, deadline,
-                                 progress)
+                                 progress, transfers)
         t0 = time.perf_counter()
         for rank in involved:
             ticket = tickets.pop(rank)  # confirming ends the claim either way: nothing left to unpin on this rank
@@ -151,20 +156,28 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc, confirming=True) from exc
         claim_s += time.perf_counter() - t0
     except _RankFailed as failed:
-        for rank, ticket in tickets.items():  # every other rank's claim: let its owner unpin now
-            try:
-                reader.engine.finish_claim(peers[rank], ticket, ok=False, timeout=_left(deadline))
-            except TransferError as report:
-                log.debug("kvshuttle: could not report a failed read to owner rank %d: %s", rank, report)
+        # the owners unpin only once nothing of the read can still move (a read NIXL could not cancel is parked)
+        settled = Settlement.of_all(t.settlement for _, t in transfers)
+        opened = [(peers[rank], ticket) for rank, ticket in tickets.items()]
+        if settled.done():
+            _abort_claims(reader.engine, opened, _left(deadline))
+        else:  # later, on a thread of its own: the reaper that settles it must not wait on an owner's answer
+            settled.on_settled(lambda: threading.Thread(target=_abort_claims, args=(reader.engine, opened, None),
+                                                        name="kvshuttle-claim-abort", daemon=True).start())
         error = failed.error
         failure = Failure.REUSED_MEANWHILE if failed.confirming and isinstance(error, ClaimRefusedError) \
             else _failure(error)
-        if failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE, Failure.TRANSFER_TIMEOUT) \
-                and failed.rank in peers:
-            reader._mark_failed(peers[failed.rank].address, str(error))
+        gone = peers.get(failed.rank)
+        if gone is not None and (failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE)
+                                 or (failure is Failure.TRANSFER_TIMEOUT and gone.watch() is not None)):
+            reader._mark_failed(gone.address, str(error))  # gone, not busy: the circuit breaker opens
+        for rank, transfer in transfers:  # alive but its data path does not move: no new reads until it does
+            if not transfer.settlement.done() and rank in peers:
+                reader.hold_off(peers[rank].address, transfer.settlement)
         single = handle.tp_size == reader.tp_size == 1  # one owner: its error says it all
-        return reader._failed(decision, started, num_tokens, failure, invalid, str(error) if single else str(failed),
-                              claim_s, getattr(error, "reason", ""))
+        result = reader._failed(decision, started, num_tokens, failure, invalid,
+                                str(error) if single else str(failed), claim_s, getattr(error, "reason", ""))
+        return replace(result, settled=settled)
     return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
                        decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
 
@@ -172,13 +185,13 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
 def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray[np.int64],
                  slices: tuple[HeadSlice, ...], peers: dict[int, Peer], tickets: dict[int, ClaimTicket],
                  addresses: dict[int, tuple[str, str]], deadline: float,
-                 progress: LayerProgress | None) -> TransferTelemetry:
-    """Start every slice's read, then wait for all; _RankFailed names the first rank whose read failed. With
-    ``progress``, a slice that can be read directly is read layer by layer, and each layer is reported once it
-    has landed from every slice (a slice that cannot, a head slice, lands whole)."""
+                 progress: LayerProgress | None,
+                 started: list[tuple[int, TransferHandle | LayeredTransfer]]) -> TransferTelemetry:
+    """Start every slice's read (each appended to ``started``), then wait for all; _RankFailed names the first
+    rank whose read failed. With ``progress``, a slice that can be read directly is read layer by layer, and
+    each layer is reported once it has landed from every slice (a slice that cannot, a head slice, lands whole)."""
     local_heads = reader.engine.cache.geometry.num_heads
     with contextlib.ExitStack() as running:  # a failure releases (cancels) every read still in flight
-        started: list[tuple[int, TransferHandle | LayeredTransfer]] = []
         for s in slices:
             peer = peers[s.owner_rank]
             whole = s.num_heads == local_heads == peer.info.cache.num_heads
@@ -212,6 +225,15 @@ def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
     return _combined(telemetry)
+
+
+def _abort_claims(engine: TransferEngine, opened: list[tuple[Peer, ClaimTicket]], timeout: float | None) -> None:
+    """Finish failed reads' claims: the owners unpin (``timeout``: None for the engine's ``connect_timeout_s``)."""
+    for peer, ticket in opened:
+        try:
+            engine.finish_claim(peer, ticket, ok=False, timeout=timeout)
+        except TransferError as report:
+            log.debug("kvshuttle: could not report a failed read to %s: %s", peer.address, report)
 
 
 def _layered_read(reader: ReuseReader, peer: Peer, local_ids: npt.NDArray[np.int64], decision: Decision,

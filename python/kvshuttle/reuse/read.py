@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -38,6 +38,7 @@ from ..transfer import (
     Peer,
     PeerLostError,
     PeerUnreachableError,
+    Settlement,
     TransferEngine,
     TransferError,
     TransferTelemetry,
@@ -61,6 +62,7 @@ class Failure(str, enum.Enum):
     MISALIGNED = "misaligned"  # the remote range does not start on a local block boundary after the hit
     PEER_UNREACHABLE = "peer_unreachable"
     PEER_COOLING_DOWN = "peer_cooling_down"  # it failed moments ago: refused at once, not reconnected per request
+    PEER_STALLED = "peer_stalled"  # an earlier read from it is still in flight past its deadline (quarantined)
     OWNER_NOT_ALLOWED = "owner_not_allowed"  # the handle names an owner outside the allow-list
     INCOMPATIBLE_PEER = "incompatible_peer"
     PEER_LOST = "peer_lost"
@@ -87,6 +89,9 @@ class ReuseResult:
     claim_s: float = 0.0  # claim and confirmation round trips
     total_s: float = 0.0  # the whole reuse read
     owner_reason: str = ""  # the decode's own reason for a refused claim, e.g. "HandleEvictedError"
+    # Settled once nothing of the read can write any more. A read NIXL could not cancel keeps
+    # ``invalid_block_ids`` (and the owner's pins) quarantined until then: do not hand those blocks out before.
+    settled: Settlement = field(default_factory=Settlement.settled)
 
     @property
     def reused_tokens(self) -> int:
@@ -110,9 +115,15 @@ class _NotAllowed(TransferError):
     """Internal: the owner is not on the allow-list."""
 
 
+class _Stalled(TransferError):
+    """Internal: a read from the owner passed its deadline and NIXL still reports it in flight."""
+
+
 def _failure(exc: BaseException) -> Failure:
     if isinstance(exc, _CoolingDown):
         return Failure.PEER_COOLING_DOWN
+    if isinstance(exc, _Stalled):
+        return Failure.PEER_STALLED
     if isinstance(exc, _NotAllowed):
         return Failure.OWNER_NOT_ALLOWED
     if isinstance(exc, ClaimRefusedError):
@@ -135,7 +146,10 @@ class ReuseReader:
     recomputes without a single connection attempt. ``allowed_owners`` (hosts, or ``host:port``), when given,
     limits where reads may come from. A decode that fails (unreachable, lost, timed out) is refused at once
     for ``cooldown_s`` (a circuit breaker: no reconnect per request, so requests behind a dead decode do not
-    queue up), then reconnected by the next request that names it. ``timeout_s`` bounds claim + read +
+    queue up), then reconnected by the next request that names it. A read that times out from a decode that still
+    answers (heartbeats) does not trip it: that decode is busy, not dead. But while such a read is still in flight
+    (NIXL could not cancel it: quarantined), requests naming that decode recompute at once (``peer_stalled``)
+    instead of adding reads to a data path that does not move. ``timeout_s`` bounds claim + read +
     confirmation of one request. ``tp_rank``/``tp_size``: this reader's tensor-parallel rank (its engine's cache
     is that rank's head shard) and ``num_kv_heads`` the model's total KV heads (required at ``tp_size > 1``):
     when either side runs tensor parallel a fetch reads this rank's heads from every owner rank involved, all
@@ -166,6 +180,7 @@ class ReuseReader:
         self._clock = clock
         self._peers: dict[str, Peer] = {}
         self._broken: dict[str, tuple[float, str]] = {}  # address -> (refused until, why): the circuit breaker
+        self._stalled: dict[str, Settlement] = {}  # address -> its timed-out reads still in flight
         self._lock = threading.Lock()  # guards the two tables
         self._connecting: dict[str, threading.Lock] = {}  # one connect at a time per address
 
@@ -272,6 +287,7 @@ class ReuseReader:
             lock = self._connecting.setdefault(address, threading.Lock())
         with lock:  # one connect per address at a time; other addresses never wait on it
             self._check_cooldown(address)
+            self._check_stalled(address)
             with self._lock:
                 peer = self._peers.get(address)
             if peer is not None and peer.connected and peer.watch() is None:
@@ -296,6 +312,26 @@ class ReuseReader:
             if failed is not None and time.monotonic() < failed[0]:
                 raise _CoolingDown(f"{address} failed {self.cooldown_s - (failed[0] - time.monotonic()):.1f} s ago "
                                    f"({failed[1]}); refused for {self.cooldown_s:.0f} s before reconnecting")
+
+    def _check_stalled(self, address: str) -> None:
+        with self._lock:
+            stalled = self._stalled.get(address)
+            if stalled is not None and stalled.done():
+                del self._stalled[address]
+                stalled = None
+        if stalled is not None:
+            raise _Stalled(f"an earlier read from {address} passed its deadline and is still in flight; not adding "
+                           "reads to a data path that does not move")
+
+    def hold_off(self, address: str, settled: Settlement) -> None:
+        """Refuse reads from owner ``address`` at once (``peer_stalled``) until ``settled``: a read from it passed
+        its deadline and NIXL still reports it in flight."""
+        with self._lock:
+            previous = self._stalled.get(address)
+            self._stalled[address] = settled if previous is None else Settlement.of_all((previous, settled))
+            if len(self._stalled) > 1024:  # bounded: settled entries go first
+                for over in [a for a, s in self._stalled.items() if s.done()]:
+                    del self._stalled[over]
 
     def _mark_failed(self, address: str, why: str) -> None:
         """Open the circuit breaker for ``address``: requests naming it recompute at once for ``cooldown_s``."""

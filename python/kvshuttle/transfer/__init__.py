@@ -31,6 +31,7 @@ from .errors import (
 from .layered import LayeredTransfer, LayerProgress
 from .owner import OwnerRole, ReadNotice
 from .peer import Peer
+from .quarantine import QuarantineStats, Settlement
 from .reader import ReaderRole
 from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
@@ -52,9 +53,11 @@ __all__ = [
     "PeerLostError",
     "PeerUnreachableError",
     "ProtocolError",
+    "QuarantineStats",
     "ReadNotice",
     "ReaderRole",
     "RemoteError",
+    "Settlement",
     "SideChannelError",
     "StagingExhaustedError",
     "StagingTooSmallError",

@@ -1,9 +1,11 @@
 """A narrow, typed, lock-protected wrapper over ``nixl._api.nixl_agent``: only the calls kvshuttle uses.
 
 NIXL has no type stubs and its agent is not thread-safe in the default sync mode, so every call goes
-through one ``RLock`` here. The wrapper also counts live registrations, prepared lists and transfer
-handles (``counts()``) so tests can prove nothing leaks, and keeps handles that NIXL refused to release
-(a transfer that could not be cancelled) to retry them later instead of dropping them.
+through one ``RLock`` here (no call here waits on a peer: NIXL posts and polls, UCX connects lazily). The
+wrapper also counts live registrations, prepared lists and transfer handles (``counts()``) so tests can prove
+nothing leaks, keeps handles that NIXL refused to release to retry them later instead of dropping them, and
+keeps a remote agent loaded while a request to it may still be in flight (NIXL stops reporting on a request
+whose remote agent was removed, so the quarantine could never learn that it ended).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +23,7 @@ import numpy.typing as npt
 
 from .errors import NixlUnavailableError
 
+log = logging.getLogger(__name__)
 XferState = Literal["DONE", "PROC", "ERR"]
 MemType = Literal["DRAM", "VRAM"]
 Descriptors = npt.NDArray[np.uint64]
@@ -95,12 +99,18 @@ class NixlRegistration(_NixlObject):
     """Registered memory (``register_memory``)."""
 
 
+@dataclass(eq=False)
 class NixlDescList(_NixlObject):
-    """A prepared descriptor list (``prep_xfer_dlist``)."""
+    """A prepared descriptor list (``prep_xfer_dlist``); ``remote``: the remote agent's name, None for local."""
+
+    remote: str | None = None
 
 
+@dataclass(eq=False)
 class NixlXfer(_NixlObject):
-    """A transfer request (``initialize_xfer`` / ``make_prepped_xfer``)."""
+    """A transfer request (``initialize_xfer`` / ``make_prepped_xfer``) to remote agent ``remote``."""
+
+    remote: str = ""
 
 
 def mem_type_of(device: str) -> tuple[MemType, int]:
@@ -152,27 +162,15 @@ class NixlAgent:
         self.backends = tuple(backends)
         self._live = {"registration": 0, "dlist": 0, "xfer": 0}
         self._stuck: list[NixlXfer] = []
-        self._orphans: list[NixlXfer] = []  # dropped by finalizers; released on the next call here
+        self._xfers_to: Counter[str] = Counter()  # remote agent -> requests to it not released yet
+        self._removing: set[str] = set()  # remote agents to remove once their last request is released
 
     # -- bookkeeping ---------------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        """Live registrations, prepared lists and transfer handles (stuck ones included)."""
-        self.reap()
+        """Live registrations, prepared lists and transfer handles (stuck ones included), and remote agents
+        whose removal waits for their requests."""
         with self._lock:
-            return {**self._live, "stuck_xfer": len(self._stuck)}
-
-    def release_later(self, handle: NixlXfer) -> None:
-        """Queue a transfer request for release by the next call on this agent.
-
-        For finalizers: they run at any point of any thread, so they must not call into NIXL themselves
-        (``list.append`` is atomic, no lock taken).
-        """
-        self._orphans.append(handle)
-
-    def reap(self) -> None:
-        """Release what finalizers queued."""
-        while self._orphans:
-            self.release(self._orphans.pop())
+            return {**self._live, "stuck_xfer": len(self._stuck), "removals_pending": len(self._removing)}
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
@@ -209,8 +207,20 @@ class NixlAgent:
         """Set up the backend connection now rather than on the first transfer."""
         self._call("make_connection", self._agent.make_connection, name)
 
-    def remove_remote(self, name: str) -> None:
-        self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+    def remove_remote(self, name: str) -> bool:
+        """Unload a remote agent, or (False) remember to once no request to it is left unreleased."""
+        with self._lock:
+            if self._xfers_to[name] > 0:
+                self._removing.add(name)
+                return False
+            self._removing.discard(name)
+            self._call("remove_remote_agent", self._agent.remove_remote_agent, name)
+            return True
+
+    def removal_pending(self, name: str) -> bool:
+        """True while remote agent ``name`` waits for its in-flight requests before it is removed."""
+        with self._lock:
+            return name in self._removing
 
     # -- descriptor lists ----------------------------------------------------------------------------------
     def prep_dlist(self, remote: str | None, descs: Descriptors, mem_type: MemType) -> NixlDescList:
@@ -219,7 +229,7 @@ class NixlAgent:
                          np.ascontiguousarray(descs, dtype=np.uint64), mem_type)
         with self._lock:
             self._live["dlist"] += 1
-        return NixlDescList(raw)
+        return NixlDescList(raw, remote=remote)
 
     def release_dlist(self, handle: NixlDescList) -> None:
         if handle.released:
@@ -233,7 +243,6 @@ class NixlAgent:
     def make_xfer(self, local: Descriptors, local_mem: MemType, remote: Descriptors, remote_mem: MemType,
                   remote_agent: str, notif: bytes = b"") -> NixlXfer:
         """One READ request from explicit (addr, len, dev) rows (``initialize_xfer``: no NIXL merging)."""
-        self.reap()
         with self._lock:
             ldescs = self._call("get_xfer_descs", self._agent.get_xfer_descs,
                                 np.ascontiguousarray(local, dtype=np.uint64), local_mem)
@@ -241,8 +250,7 @@ class NixlAgent:
                                 np.ascontiguousarray(remote, dtype=np.uint64), remote_mem)
             raw = self._call("initialize_xfer", self._agent.initialize_xfer, "READ", ldescs, rdescs,
                              remote_agent, notif)
-            self._live["xfer"] += 1
-        return NixlXfer(raw)
+            return self._count_xfer(NixlXfer(raw, remote=remote_agent))
 
     def make_prepped_xfer(self, local: NixlDescList, local_idx: npt.NDArray[np.int32], remote: NixlDescList,
                           remote_idx: npt.NDArray[np.int32], notif: bytes = b"") -> NixlXfer:
@@ -251,8 +259,12 @@ class NixlAgent:
             raw = self._call("make_prepped_xfer", self._agent.make_prepped_xfer, "READ", local.raw,
                              np.ascontiguousarray(local_idx, dtype=np.int32), remote.raw,
                              np.ascontiguousarray(remote_idx, dtype=np.int32), notif)
-            self._live["xfer"] += 1
-        return NixlXfer(raw)
+            return self._count_xfer(NixlXfer(raw, remote=remote.remote or ""))
+
+    def _count_xfer(self, xfer: NixlXfer) -> NixlXfer:
+        self._live["xfer"] += 1
+        self._xfers_to[xfer.remote] += 1
+        return xfer
 
     def post(self, handle: NixlXfer) -> XferState:
         state: XferState = self._call("transfer", self._agent.transfer, handle.raw)
@@ -270,7 +282,8 @@ class NixlAgent:
         return XferTelemetry(int(t.postDuration), int(t.xferDuration), int(t.totalBytes), int(t.descCount))
 
     def release(self, handle: NixlXfer) -> bool:
-        """Release (cancelling if still active). False when NIXL refused: the handle is retried later."""
+        """Release (NIXL cancels it if still active; a READ already asked of the peer may land anyway: retire
+        requests through the quarantine instead). False when NIXL refused: the handle is retried later."""
         with self._lock:
             if handle.released:
                 return True
@@ -284,11 +297,19 @@ class NixlAgent:
             self._live["xfer"] -= 1
             if handle in self._stuck:
                 self._stuck.remove(handle)
+            self._xfers_to[handle.remote] -= 1
+            if self._xfers_to[handle.remote] <= 0:
+                del self._xfers_to[handle.remote]
+                if handle.remote in self._removing:
+                    self._removing.discard(handle.remote)
+                    try:
+                        self._agent.remove_remote_agent(handle.remote)
+                    except Exception as exc:
+                        log.debug("kvshuttle: removing %s: %s", handle.remote, exc)
             return True
 
     def retry_stuck(self) -> int:
         """Try again to release handles NIXL could not cancel; returns how many are still stuck."""
-        self.reap()
         with self._lock:
             for handle in list(self._stuck):
                 self.release(handle)

@@ -111,6 +111,10 @@ class ChunkSlots:
         self._idle.append(got[0])
         return True
 
+    def held_slots(self, chunks: set[int]) -> set[int]:
+        """The slots of those of ``chunks`` still held (offered and not released)."""
+        return {slot for chunk, (slot, _) in self._held.items() if chunk in chunks}
+
     def oldest_hold(self) -> float | None:
         """When the longest-held chunk was offered (monotonic), or None."""
         return min((since for _, since in self._held.values()), default=None)

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from ..core.plan import ReadPlan, SideGeometry
 from ._nixl import MemType, NixlAgent, NixlCallError, NixlDescList, NixlXfer
 from .errors import PeerLostError, TransferError, TransferTimeoutError
+from .quarantine import Quarantine
 from .transfer_handle import TransferHandle, TransferState, TransferTelemetry
 
 
@@ -70,16 +71,19 @@ def build_prepped(agent: NixlAgent, local_side: SideGeometry, local_dlist: NixlD
 
 
 class DirectTransfer(TransferHandle):
-    """A posted direct READ. Completion is checked on ``poll()``; the NIXL request is always released: when
-    the read ends, on ``release()``, or (queued to the agent) when the caller drops a pending handle."""
+    """A posted direct READ. Completion is checked on ``poll()``; the NIXL request is always retired through the
+    quarantine: when the read ends, on ``release()``, or (queued) when the caller drops a pending handle. A read
+    that ends early (deadline, cancel, lost peer) is settled (``settlement``) only once NIXL reports its request
+    over: until then its destination blocks may still be written."""
 
     def __init__(self, transfer_id: str, reason: str, local_ids: npt.NDArray[np.int64], agent: NixlAgent,
-                 peer_name: str, request: DirectRequest, prep_time: float, deadline: float,
+                 quarantine: Quarantine, peer_name: str, request: DirectRequest, prep_time: float, deadline: float,
                  started: float, peer_lost: Callable[[], str | None],
                  on_done: Callable[[TransferTelemetry], None] | None = None) -> None:
         super().__init__(transfer_id, "direct", reason, local_ids, on_done)
         self.started = started
         self._agent = agent
+        self._quarantine = quarantine
         self._peer_name = peer_name
         self._peer_lost = peer_lost
         self._request = request
@@ -87,7 +91,7 @@ class DirectTransfer(TransferHandle):
         self._deadline = deadline
         self._post_time = 0.0
         self._xfer: NixlXfer | None = request.xfer
-        self._finalizer = weakref.finalize(self, agent.release_later, request.xfer)
+        self._finalizer = weakref.finalize(self, quarantine.retire_later, request.xfer)
         self._post()
 
     def _post(self) -> None:
@@ -158,7 +162,8 @@ class DirectTransfer(TransferHandle):
     def _release(self) -> None:
         if self._xfer is not None:
             self._finalizer.detach()
-            self._agent.release(self._xfer)  # a request NIXL cannot cancel yet is retried by the agent
+            self._quarantine.retire(self._xfer, f"direct transfer {self.transfer_id} from {self._peer_name}",
+                                    settlement=self._settlement)
             self._xfer = None
 
     def _stop(self) -> None:

@@ -19,6 +19,7 @@ from ._nixl import NixlAgent, NixlCallError, NixlDescList, NixlRegistration, mem
 from .config import EngineConfig
 from .errors import TransferArgumentError, TransferError
 from .executors import BackgroundExecutor, CopyExecutor, HostExecutor, executor_for, import_cupy
+from .quarantine import Quarantine
 from .staging import StagingPool
 from .transfer_handle import TransferHandle, TransferState
 from .workers import Workers
@@ -91,6 +92,7 @@ class Endpoint:
         self.pipelines = Workers("kvshuttle-read")  # the packed reads' pipelines (owners: their pack jobs)
         self._agent = NixlAgent(config.name, config.backends, num_threads=config.num_threads,
                                 progress_delay_us=config.progress_delay_us)
+        self.quarantine = Quarantine(self._agent)  # where reads that ended early wait until NIXL says they are over
         self._registrations: list[NixlRegistration] = []
         self._local_dlist: NixlDescList | None = None
         self._peers: dict[str, Peer] = {}
@@ -110,12 +112,15 @@ class Endpoint:
             raise TransferError(f"registering the KV cache with NIXL failed: {exc}") from exc
 
     def stats(self) -> dict[str, int]:
-        """Live NIXL objects and engine state (flat over time when nothing leaks)."""
+        """Live NIXL objects and engine state (flat over time when nothing leaks). ``quarantined_xfers``: NIXL
+        requests of reads that ended early and that NIXL still reports in flight (their memory held back)."""
         self._prune_lost()
         counts = self._agent.counts()
+        held = self.quarantine.stats()
         return {
             "registrations": counts["registration"], "dlists": counts["dlist"],
             "xfer_handles": counts["xfer"], "stuck_xfer_handles": counts["stuck_xfer"],
+            "quarantined_xfers": held.parked, "quarantine_released": held.released_total,
             "active_transfers": sum(1 for h in list(self._active) if h.state is TransferState.PENDING),
             "owner_jobs": self._owner.active_jobs if self._owner else 0,
             "staging_free": self.pool.free, "staging_chunks": self.pool.slots, "peers": len(self._peers),
@@ -136,6 +141,8 @@ class Endpoint:
         for peer in list(self._peers.values()):
             self._forget(peer)
         agent = getattr(self, "_agent", None)
+        if getattr(self, "quarantine", None) is not None:
+            self.quarantine.close()
         if agent is not None:
             try:
                 agent.retry_stuck()

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from ..errors import shown
 from .direct import DirectTransfer
 from .errors import TransferArgumentError, TransferError
+from .quarantine import Settlement
 from .transfer_handle import TransferState, TransferTelemetry
 
 
@@ -23,7 +24,8 @@ class LayeredTransfer:
 
     ``wait_layer(layer)`` returns once that layer's bytes are in the local cache, or raises the group's named
     error (every block of the read is then to be recomputed: ``invalid_block_ids``); ``wait()`` waits for all.
-    ``release()`` (also on leaving a ``with`` block) cancels what is still pending and frees every request.
+    ``release()`` (also on leaving a ``with`` block) cancels what is still pending and frees every request;
+    ``settlement`` settles once no group's request can write any more.
     """
 
     def __init__(self, transfer_id: str, groups: Sequence[tuple[range, DirectTransfer]],
@@ -36,6 +38,7 @@ class LayeredTransfer:
         self.local_block_ids = local_block_ids
         self.num_layers = num_layers
         self.started = time.perf_counter()
+        self.settlement = Settlement.of_all(t.settlement for t in self._transfers)
 
     @property
     def state(self) -> TransferState:

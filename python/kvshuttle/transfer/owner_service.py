@@ -11,7 +11,9 @@ into the staging slots it reserved (on the host, or on a CUDA stream: ``executor
 (``ready``) once its pack completed and reuses a slot when the reader ``release``\\ s it (``chunk_slots.py``), so
 the owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on ``abort``,
 or when a ready chunk is not released within the staging lease (the reader died); its slots always go back to
-the pool.
+the pool. An ``abort`` may name chunks to ``keep``: a READ of them the reader could not cancel may still read their
+slots, so those go back only on their ``release`` (sent once the reader's NIXL reports the READ over) or when the
+lease ends.
 """
 
 from __future__ import annotations
@@ -85,17 +87,30 @@ class PackJob:
         self._slots = ChunkSlots(slots)  # guarded by _cond: the side channel's thread releases chunks
         self._cond = threading.Condition()
         self._aborted = False
+        self._keep: set[int] = set()  # chunks an abort asked to keep held until released (a READ may be in flight)
         self.finished: threading.Event | None = None  # set when run() returned (see OwnerService.close)
 
     def release(self, chunk: int) -> None:
         with self._cond:
-            if self._slots.release(chunk):
+            if self._slots.release(chunk) or chunk in self._keep:
+                self._keep.discard(chunk)
                 self._cond.notify_all()
 
-    def abort(self) -> None:
+    def abort(self, keep: list[int] | None = None) -> None:
         with self._cond:
             self._aborted = True
+            self._keep = set(keep or ())
             self._cond.notify_all()
+
+    def _wait_for_kept(self) -> None:
+        """After an abort, wait until the reader released the kept chunks (or the lease ended)."""
+        until = time.monotonic() + self.service.lease_s
+        with self._cond:
+            while self._keep and time.monotonic() < until:
+                self._cond.wait(0.1)
+            if self._keep:
+                log.warning("kvshuttle: reader of %s kept chunks %s past the staging lease; reclaiming", self.tid,
+                            sorted(self._keep))
 
     def _lease_expired(self) -> bool:
         oldest = self._slots.oldest_hold()
@@ -175,12 +190,17 @@ class PackJob:
             for completion in running:  # no slot goes back while a pack may still write it; waited for without
                 completion.wait(max(0.0, deadline - time.monotonic()))  # the lock the side channel's thread takes
             with self._cond:
+                kept = self._slots.held_slots(self._keep)  # a READ of theirs may be in flight on the reader
+                self._keep &= {chunk for chunk in self._keep if self._slots.held_slots({chunk})}
                 self._slots.settle(0.0)
                 reusable = self._slots.reusable
             if len(reusable) < len(self.slots):
                 log.error("kvshuttle: %d staging slots of %s kept: their pack did not finish",
                           len(self.slots) - len(reusable), self.tid)
-            pool.release(reusable)
+            pool.release([slot for slot in reusable if slot not in kept])
+            if kept:
+                self._wait_for_kept()
+                pool.release(sorted(kept))
             self.service.forget(self.identity, self.tid)
             if emitter is not None:
                 emitter.close()
@@ -241,16 +261,18 @@ class OwnerService:
         if op == "take_published":
             return serve_take(self.board, message)
         if op in ("release", "abort"):
-            tid, chunk = message.get("tid"), message.get("chunk", 0)
+            tid, chunk, keep = message.get("tid"), message.get("chunk", 0), message.get("keep", [])
             if not isinstance(tid, str) or type(chunk) is not int:
                 raise ProtocolError(f"{op} needs a string 'tid' and an int 'chunk'")
+            if not (isinstance(keep, list) and len(keep) <= MAX_WINDOW and all(type(c) is int for c in keep)):
+                raise ProtocolError(f"{op}'s 'keep' must be a list of at most {MAX_WINDOW} chunk numbers")
             with self._lock:
                 job = self._jobs.get((identity, tid))  # only the connection that asked can touch its job
             if job is not None:
                 if op == "release":
                     job.release(chunk)
                 else:
-                    job.abort()
+                    job.abort(keep)
             return None
         return {"op": "error", "kind": "protocol", "message": f"unknown side-channel op {op[:40]!r}"}
 

@@ -4,7 +4,10 @@ One thread per transfer drives the pipeline over a side-channel connection borro
 across transfers: a new TCP connection costs about a millisecond): the owner packs
 chunk i+1 while this thread READs chunk i into a local staging slot and the engine's native unpack worker
 scatters chunk i-1 into the paged cache. A chunk's local blocks become valid when its unpack finishes;
-on any failure the handle lists exactly the blocks of chunks not unpacked.
+on any failure the handle lists exactly the blocks of chunks not unpacked. A chunk READ that NIXL still reports
+in flight when the read ends early is retired through the quarantine: its local slot stays out of the pool, the
+owner is told to keep its slot (``abort`` with ``keep``) and is sent its ``release`` once NIXL reports the READ
+over, and only then is the handle's ``settlement`` settled.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .errors import (
     TransferTimeoutError,
 )
 from .executors import CopyExecutor
+from .quarantine import Quarantine, Settlement
 from .side_channel import Connection, ConnectionLender
 from .staging import Chunk, StagingPool, layout_to_wire
 from .transfer_handle import Outcome, TransferHandle, TransferState, TransferTelemetry
@@ -59,6 +63,7 @@ class PackedSetup:
     peer: ConnectionLender
     peer_agent: str
     agent: NixlAgent
+    quarantine: Quarantine
     cache: PagedKVCache
     pool: StagingPool
     pool_mem: MemType
@@ -103,7 +108,7 @@ class PackedTransfer(TransferHandle):
     def __init__(self, transfer_id: str, setup: PackedSetup, started: float) -> None:
         super().__init__(transfer_id, "packed", setup.reason, setup.local_ids, setup.on_done)
         self.started = started
-        self._pipeline = _Pipeline(transfer_id, setup, started, self._outcome)
+        self._pipeline = _Pipeline(transfer_id, setup, started, self._outcome, self._settlement)
         self._finalizer = weakref.finalize(self, self._pipeline.stop_flag.set)
         self._pipeline.start()
 
@@ -121,13 +126,16 @@ class PackedTransfer(TransferHandle):
 class _Pipeline:
     """One packed read: borrow a side-channel connection, ask the owner to pack, READ and unpack each chunk."""
 
-    def __init__(self, transfer_id: str, setup: PackedSetup, started: float, outcome: Outcome) -> None:
+    def __init__(self, transfer_id: str, setup: PackedSetup, started: float, outcome: Outcome,
+                 settlement: Settlement) -> None:
         self.transfer_id = transfer_id
         self.started = started
         self.reason = setup.reason
         self.stop_flag = threading.Event()
         self._s = setup
         self._outcome = outcome
+        self._settlement = settlement
+        self._in_flight: tuple[int, int, Settlement] | None = None  # (chunk, slot, its READ's settlement)
         self._done_chunks: set[int] = set()
         self._done_lock = threading.Lock()
         self._slots = setup.pool.reserve(setup.depth, "reader")
@@ -138,6 +146,7 @@ class _Pipeline:
             self._conn: Connection = setup.peer.checkout(setup.context)
         except TransferError as exc:
             setup.pool.release(self._slots)
+            settlement.settle()
             raise type(exc)(str(exc), setup.local_ids) from None
         try:  # ask from the caller's thread: the owner starts packing while our thread starts
             self._conn.send({"op": "pack", "tid": transfer_id, "ids": setup.remote_ids.tolist(),
@@ -147,6 +156,7 @@ class _Pipeline:
                                                        {"claim_id": setup.claim_id})})
         except PeerLostError as exc:
             setup.pool.release(self._slots)
+            settlement.settle()
             setup.peer.checkin(self._conn, False)
             setup.peer.mark_lost(str(exc))
             raise PeerLostError(f"cannot send the pack request to {setup.address}: {exc}",
@@ -286,7 +296,9 @@ class _Pipeline:
             if state != "DONE":
                 raise PeerLostError(f"NIXL READ of chunk {chunk.index} from {s.peer_agent} failed (state ERR)")
         finally:
-            s.agent.release(xfer)
+            read = s.quarantine.retire(xfer, f"packed transfer {self.transfer_id}, chunk {chunk.index}")
+            if not read.done():  # it may still write this slot: kept out of the pool until it cannot
+                self._in_flight = (chunk.index, slot, read)
         conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk.index})
         last = len(self._done_chunks) + slots.copying + 1 == len(s.chunks)  # no READ left to overlap
         slots.start(chunk.index, slot, (s.last_unpacker if last else s.unpacker).unpack(
@@ -311,17 +323,36 @@ class _Pipeline:
                 self._unpack_time += done.seconds
                 with self._done_lock:
                     self._done_chunks.add(done.chunk)
+        in_flight = self._in_flight
         if send_abort:
-            try:
-                conn.send({"op": "abort", "tid": self.transfer_id})
+            try:  # the owner keeps the slot a READ may still read until we release that chunk
+                conn.send({"op": "abort", "tid": self.transfer_id,
+                           **({} if in_flight is None else {"keep": [in_flight[0]]})})
             except PeerLostError:
                 healthy = False
-        self._s.peer.checkin(conn, healthy)
         kept = set(self._slots) - set(slots.reusable)
         if kept:  # an unpack that never finished may still read them: never hand them out again
             log.error("kvshuttle: %d staging slots of %s kept: their unpack did not finish", len(kept),
                       self.transfer_id)
-        self._s.pool.release([slot for slot in self._slots if slot not in kept])
+        if in_flight is None:
+            self._s.peer.checkin(conn, healthy)
+            self._s.pool.release([slot for slot in self._slots if slot not in kept])
+            self._settlement.settle()
+            return
+        chunk, held, read = in_flight
+        self._s.pool.release([slot for slot in self._slots if slot not in kept and slot != held])
+        read.on_settled(lambda: self._read_over(conn, chunk, held, healthy))
+
+    def _read_over(self, conn: Connection, chunk: int, slot: int, healthy: bool) -> None:
+        """A chunk READ left in flight is over (NIXL says so): its slot on both sides may be used again."""
+        if healthy:
+            try:
+                conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk})
+            except PeerLostError:
+                healthy = False
+        self._s.peer.checkin(conn, healthy)
+        self._s.pool.release([slot])
+        self._settlement.settle()
 
     def _telemetry_record(self) -> TransferTelemetry:
         s = self._s

@@ -79,6 +79,7 @@ class _EmptyTransfer(TransferHandle):
 
     def __init__(self, transfer_id: str, started: float) -> None:
         super().__init__(transfer_id, "direct", "nothing to read", np.zeros(0, dtype=np.int64))
+        self._settlement.settle()
         self._finish(TransferState.DONE, telemetry=TransferTelemetry(
             transfer_id, "direct", "nothing to read", 0, 0, 0, 0, 0.0, 0.0, time.perf_counter() - started))
 
@@ -118,6 +119,10 @@ class ReaderRole(Endpoint):
                     return existing
                 if existing is not None:
                     self._forget(existing)
+                if self._agent.removal_pending(info.agent_name):
+                    raise PeerUnreachableError(
+                        f"reads from the previous connection to {address} are still in flight (quarantined until "
+                        "NIXL reports them over); retry once they ended")
                 name = self._agent.add_remote(info.metadata)
                 self._agent.connect(name)
             except NixlCallError as exc:
@@ -390,8 +395,8 @@ class ReaderRole(Endpoint):
             kind = PeerLostError if exc.disconnected else TransferError
             raise kind(f"building the direct READ from {peer.address} failed: {exc}", lids) from exc
         prep = time.perf_counter() - started
-        return DirectTransfer(transfer_id, reason, lids, self._agent, peer.agent_name, request, prep, deadline,
-                              started, peer.watch, on_done)
+        return DirectTransfer(transfer_id, reason, lids, self._agent, self.quarantine, peer.agent_name, request,
+                              prep, deadline, started, peer.watch, on_done)
 
     def _read_packed(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
                      rids: npt.NDArray[np.int64], tokens: int, layout: StagingLayout, local_head_offset: int,
@@ -408,6 +413,7 @@ class ReaderRole(Endpoint):
         staging = peer.info.staging
         setup = PackedSetup(
             context=self._zmq, address=peer.address, peer=peer, peer_agent=peer.agent_name, agent=self._agent,
+            quarantine=self.quarantine,
             cache=self.cache, pool=self.pool, pool_mem=self.pool_mem, pool_device=self.pool_device,
             remote_mem="VRAM" if staging.mem_type == "VRAM" else "DRAM", remote_device=staging.device_id,
             unpacker=self.unpacks, last_unpacker=self.last_unpacks, workers=self.pipelines, local_ids=lids,

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import TransferCancelledError, TransferError, TransferTimeoutError
+from .quarantine import Settlement
 
 
 class TransferState(str, enum.Enum):
@@ -94,7 +95,9 @@ class TransferHandle:
     named error (on its own timeout it cancels the transfer and raises TransferTimeoutError);
     ``cancel()`` stops it; ``release()`` (also on leaving a ``with`` block, and best effort when the handle
     is garbage-collected) cancels it if still pending and frees everything it holds. After a failure,
-    ``invalid_block_ids`` lists the local blocks to recompute.
+    ``invalid_block_ids`` lists the local blocks to recompute, and they may be written again only once
+    ``settlement`` is settled: a read NIXL could not cancel keeps them (and its staging) quarantined until NIXL
+    reports it over (:mod:`.quarantine`).
     """
 
     def __init__(self, transfer_id: str, path: str, reason: str, local_ids: npt.NDArray[np.int64],
@@ -105,6 +108,7 @@ class TransferHandle:
         self.local_block_ids: tuple[int, ...] = tuple(np.asarray(local_ids, dtype=np.int64).tolist())
         self.started = time.perf_counter()
         self._outcome = Outcome(on_done)
+        self._settlement = Settlement()  # settled by the path once nothing of this read can still write
 
     # -- for subclasses -------------------------------------------------------------------------------------
     def _progress(self) -> None:
@@ -141,6 +145,11 @@ class TransferHandle:
     @property
     def invalid_block_ids(self) -> tuple[int, ...]:
         return self._invalid_ids()
+
+    @property
+    def settlement(self) -> Settlement:
+        """Settled once nothing of this read can write any more (its NIXL requests are over and released)."""
+        return self._settlement
 
     def poll(self) -> TransferState:
         if self.state is TransferState.PENDING:

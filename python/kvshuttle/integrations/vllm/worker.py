@@ -43,6 +43,16 @@ UNKNOWN_HANDLE_GRACE_S = 0.5  # the owner's ledger learns of a fresh handle one 
 UNMATCHED_STEPS = 8  # steps a finished id without a retention here is kept, in case its RetainJob is late
 
 
+def _settled(future: Future[ReuseResult]) -> bool:
+    """The load finished and nothing of its read can still write its blocks."""
+    if not future.done():
+        return False
+    try:
+        return future.result().settled.done()
+    except BaseException:  # cancelled at shutdown or a bug: it never read anything
+        return True
+
+
 class ShuttleWorker:
     def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
                  secret: DeploymentSecret | None = None, *, tp_rank: int = 0, tp_size: int = 1,
@@ -193,7 +203,8 @@ class ShuttleWorker:
             self._seen_finished -= sending
             for request_id in sending:
                 del self._retained[request_id]
-            done = {rid for rid, (future, _) in self._loading.items() if future.done()}
+            # a load whose read NIXL could not cancel stays unreported (its blocks quarantined) until it is over
+            done = {rid for rid, (future, _) in self._loading.items() if _settled(future)}
             for request_id in done:
                 future, job = self._loading.pop(request_id)
                 result = self._outcome(future, job)
