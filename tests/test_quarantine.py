@@ -25,6 +25,7 @@ from kvshuttle.demo.workers import DemoShape, PagedWorker
 from kvshuttle.policy import KVHandle, PolicyConfig, parse_handle
 from kvshuttle.reuse import Failure, ReuseReader
 from kvshuttle.transfer import TransferTimeoutError
+from kvshuttle.transfer.config import Path
 from stall_helpers import DecodeProcess, ucx_over_tcp
 
 pytestmark = pytest.mark.timeout(180)
@@ -102,7 +103,7 @@ def wait_for(condition: Any, timeout: float) -> float:
 
 @pytest.mark.parametrize("path", ["direct", "packed"])
 def test_an_uncancellable_read_keeps_its_memory_until_nixl_says_it_is_over(
-        stalled: DecodeProcess, prefill: PagedWorker, path: str) -> None:
+        stalled: DecodeProcess, prefill: PagedWorker, path: Path) -> None:
     engine = prefill.engine
     history = words(1, 320)
     handle = parse_handle(turn(stalled, f"q-{path}", history), secret=engine.secret)
@@ -114,10 +115,19 @@ def test_an_uncancellable_read_keeps_its_memory_until_nixl_says_it_is_over(
     peer = engine.connect(stalled.address)
     ticket = engine.claim(peer, handle)  # an owner with a ledger packs only claimed blocks
     free_before, owner_free_before = engine.stats()["staging_free"], stalled.call("staging_free")
+    other = words(2, count * SHAPE.block_size)
+    recomputed = threading.Event()
+
+    def recompute() -> None:  # what vLLM does with blocks the moment it hears they failed: another request's KV
+        if read.settlement.wait(SETTLE_S + 5):
+            prefill.write(blocks, other, 0, len(other))
+            recomputed.set()
+
     with frozen(stalled) as thawed:
         read = engine.read(peer, blocks, handle.block_ids, path=path, timeout=0.5, claim=ticket)
         with pytest.raises(TransferTimeoutError):
             read.wait()
+        threading.Thread(target=recompute, daemon=True).start()
         time.sleep(0.3)  # however long it waits, NIXL still moves it: nothing is handed back
         assert not read.settlement.done(), "a READ still in flight was handed back"
         stats = engine.stats()
@@ -133,13 +143,10 @@ def test_an_uncancellable_read_keeps_its_memory_until_nixl_says_it_is_over(
     assert engine.stats()["quarantined_xfers"] == 0 and held.released_total >= 1
     if path == "packed":
         assert (engine.pool.buffer != 0xA5).any(), "the late READ landed in the slot kept out of the pool"
-        assert poisoned(prefill, blocks), "an unfinished chunk was unpacked"
         assert engine.stats()["staging_free"] == free_before
         wait_for(lambda: stalled.call("staging_free") == owner_free_before, SETTLE_S)
-    # The blocks go to another request: whatever it computes there stays, nothing of the old read lands later.
-    other = words(2, count * SHAPE.block_size)
-    prefill.write(blocks, other, 0, len(other))
-    time.sleep(0.5)
+    assert recomputed.wait(5.0)
+    time.sleep(0.5)  # whatever the other request computed there stays: nothing of the old read lands later
     assert prefill.holds(blocks, other, len(other)), "a read landed in blocks handed back as reusable"
     engine.finish_claim(peer, ticket, ok=False)
 
@@ -180,7 +187,8 @@ def test_a_stalled_decode_holds_up_no_other_read_and_keeps_its_claim_until_the_r
         stuck = threading.Thread(target=lambda: got.append(reader.read(params, prompt, local_hit_tokens=0,
                                                                        local_block_ids=stuck_blocks)))
         stuck.start()
-        busy_reads, busy_drains = [], []
+        busy_reads: list[float] = []
+        busy_drains: list[float] = []
         while stuck.is_alive():
             busy_reads.append(healthy_read(200 + len(busy_reads)))
             busy_drains.extend(drain() for _ in range(5))
@@ -208,3 +216,47 @@ def test_a_stalled_decode_holds_up_no_other_read_and_keeps_its_claim_until_the_r
     assert after.action == "fetched", after.message
     assert prefill.holds(fresh, prompt, after.reused_tokens)
     reader.close()
+
+
+def test_the_worker_reports_a_quarantined_load_only_once_its_read_is_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM recomputes a load's invalid blocks as soon as the worker reports it: a load whose read is still in
+    quarantine is reported (finished_recving and its invalid blocks) only once its settlement is settled."""
+    from conftest import Geo, make_cache
+    from kvshuttle.integrations.vllm import ShuttleConfig
+    from kvshuttle.integrations.vllm.metadata import LoadJob, ShuttleMetadata
+    from kvshuttle.integrations.vllm.worker import ShuttleWorker
+    from kvshuttle.policy import Decision
+    from kvshuttle.policy.decision import Reason
+    from kvshuttle.reuse import ReuseResult
+    from kvshuttle.transfer import Settlement
+    from kvshuttle.trust import DeploymentSecret
+
+    bs = 32
+    config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, "kvshuttle_load_timeout_s": 3.0}, model="m")
+    worker = ShuttleWorker(config, "eng", bs, secret=DeploymentSecret(b"quarantine-worker-tests" * 2))
+    geo = Geo("vllm_cpu_attn", dtype="float32", num_layers=2, num_blocks=16, block_size=bs, num_heads=2,
+              head_size=16, layout="LBHNC")
+    worker.register_kv_caches({f"layer.{i}": x for i, x in enumerate(make_cache(np.random.default_rng(0),
+                                                                                geo).layers)}, "CPU_ATTN")
+    try:
+        assert worker.reader is not None
+        pending = Settlement()
+        handle = KVHandle("far", "r0", "127.0.0.1", 1, (0, 1), 64, time.time() + 60, 1, "h0", 0, bs,
+                          (b"\x01" * 16, b"\x02" * 16), time.time(), 60.0)
+        decision = Decision("fetch", Reason.FETCH, "test", fetch_tokens=63, reused_tokens=63, fetch_blocks=range(2),
+                            remote_block_ids=(0, 1), block_size=bs)
+        load = LoadJob("req-q", handle, decision, (4, 5), 64, time.monotonic())
+        timed_out = ReuseResult("recompute", Failure.TRANSFER_TIMEOUT.value, "stuck", 64, 0, 0, (4, 5), decision,
+                                settled=pending)
+        monkeypatch.setattr(worker.reader, "fetch", lambda *args, **kwargs: timed_out)
+        worker.start(ShuttleMetadata(loads=[load]))
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # the fetch returned long ago; its blocks are still quarantined
+            _, done = worker.finished(set())
+            assert not done and not worker.load_errors(), "a quarantined load was reported"
+            time.sleep(0.01)
+        pending.settle()
+        _, done = worker.finished(set())
+        assert done == {"req-q"} and worker.load_errors() == {4, 5}
+    finally:
+        worker.shutdown()
