@@ -255,3 +255,54 @@ def test_parse_handle_names_the_refusal() -> None:
     decision = parse_handle(params, secret=SECRET)
     assert not isinstance(decision, KVHandle)
     assert decision.reason is Reason.UNAUTHENTICATED_HANDLE and "forged or edited" in decision.message
+
+
+# ------------------------------------------------------------------------- the MAC input is injective
+_TEXT = st.text(alphabet=st.sampled_from("a0.:,\0\x01-"), min_size=1, max_size=6)  # separators included
+
+
+@st.composite
+def _handles(draw: st.DrawFn) -> KVHandle:
+    blocks = draw(st.integers(0, 3))
+    size = draw(st.sampled_from([1, 2, 16]))
+    block_size = draw(st.sampled_from([1, 2, 16]))
+    tokens = 0 if blocks == 0 else draw(st.integers((blocks - 1) * block_size + 1, blocks * block_size))
+    ids = draw(st.lists(st.integers(0, 300), min_size=blocks, max_size=blocks, unique=True))
+    digests = draw(st.lists(st.binary(min_size=size, max_size=size), min_size=blocks, max_size=blocks))
+    host = draw(_TEXT.filter(lambda h: ":" not in h and "," not in h and "\0" not in h))
+    port = draw(st.integers(1, 3))
+    tp = draw(st.integers(1, 2))
+    ranks = (f"{host}:{port}", *(f"r{k}:{port}" for k in range(1, tp))) if draw(st.booleans()) else ()
+    when = st.sampled_from([0.0, 1.5, 2.0, 1e9])
+    return KVHandle(draw(_TEXT), draw(_TEXT), host, port, tuple(ids), tokens, draw(when), tp, draw(_TEXT),
+                    draw(st.integers(0, 3)), block_size, tuple(digests), draw(when), draw(when), ranks)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@given(_handles(), _handles(), st.data())
+def test_different_handles_never_share_signing_bytes(a: KVHandle, other: KVHandle, data: st.DataObject) -> None:
+    """A MAC over one handle never verifies another: no two field sets share a MAC input. Besides an unrelated
+    handle, each example tries the neighbours an encoding with separators would confuse: the text of two
+    adjacent string fields cut at another separator byte."""
+    assert a.structure_problem() is None and other.structure_problem() is None
+    neighbours = [other]
+    for first, second in (("engine_id", "request_id"), ("request_id", "host"), ("handle_id", "engine_id")):
+        joined = getattr(a, first) + "\0" + getattr(a, second)
+        cuts = [k for k, c in enumerate(joined) if c == "\0" and 0 < k < len(joined) - 1]
+        cut = data.draw(st.sampled_from(cuts))
+        moved = KVHandle(**{**a.__dict__, first: joined[:cut], second: joined[cut + 1:]})
+        if moved.structure_problem() is None:
+            neighbours.append(moved)
+    for b in neighbours:
+        if a != b:
+            assert a.signing_bytes() != b.signing_bytes(), (a, b)
+
+
+def test_a_separator_moved_between_fields_changes_the_mac() -> None:
+    """The case a NUL-joined encoding let through: ``engine_id="x\\0y", request_id="z"`` and ``engine_id="x",
+    request_id="y\\0z"`` joined to the same bytes."""
+    one = KVHandle(**{**handle().__dict__, "engine_id": "x\0y", "request_id": "z"})
+    two = KVHandle(**{**handle().__dict__, "engine_id": "x", "request_id": "y\0z"})
+    assert one.signing_bytes() != two.signing_bytes() and one.mac(SECRET) != two.mac(SECRET)
+    with pytest.raises(HandleAuthError):
+        KVHandle.from_kv_transfer_params({**two.to_kv_transfer_params(), "kvshuttle_mac": one.mac(SECRET)}, SECRET)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvshuttle.trust import DeploymentSecret, TrustError, grant_valid, is_loopback, issue_grant
+from kvshuttle.trust import DeploymentSecret, GrantBook, TrustError, grant_valid, is_loopback, issue_grant
 
 TEXT = "0123456789abcdef0123456789abcdef-deployment"
 
@@ -107,7 +107,56 @@ def test_grants() -> None:
     assert grant_valid(secret, grant, now=1_000_030.0)
     assert not grant_valid(secret, grant, now=1_000_061.0)  # expired
     assert not grant_valid(DeploymentSecret((TEXT + "x").encode()), grant, now=1_000_030.0)
-    version, expiry, tag = grant.split(".")
-    assert not grant_valid(secret, f"{version}.{int(expiry) + 3600}.{tag}", now=1_000_030.0)  # extended: no
-    for junk in (None, 7, "", "v1..", "v2." + grant[3:], grant + "00", "v1.x." + tag, "v1." + "9" * 40 + "." + tag):
+    version, expiry, nonce, tag = grant.split(".")
+    assert not grant_valid(secret, f"{version}.{int(expiry) + 3600}.{nonce}.{tag}", now=1_000_030.0)  # extended
+    other_nonce = ("0" if nonce[0] != "0" else "1") + nonce[1:]
+    assert not grant_valid(secret, f"{version}.{expiry}.{other_nonce}.{tag}", now=1_000_030.0)  # a new nonce: no
+    assert issue_grant(secret, ttl_s=60.0, now=1_000_000.0) != grant  # a fresh nonce each time
+    for junk in (None, 7, "", "v1..", "v1." + grant[3:], grant + "00", "v2.x." + nonce + "." + tag,
+                 "v2." + "9" * 40 + "." + nonce + "." + tag, f"v1.{expiry}.{tag}", "v2.1.2.3.4"):
         assert not grant_valid(secret, junk, now=1_000_030.0)
+
+
+def test_a_grant_covers_a_request_that_arrived_in_time_however_long_its_answer() -> None:
+    """Checked at admission (the request's arrival), not when the answer is done: a long reasoning answer that
+    ends after the grant's expiry is still retained."""
+    secret = DeploymentSecret(TEXT.encode())
+    clock = [1_000_000.0]
+    book = GrantBook(secret, clock=lambda: clock[0])
+    grant = issue_grant(secret, ttl_s=60.0, now=clock[0])
+    assert book.admit("long-answer", grant)
+    clock[0] += 3600.0  # an hour of reasoning
+    assert book.granted("long-answer", grant)
+    assert book.admit("long-answer", grant)  # vLLM asks again after a preemption: the same answer
+    book.finish("long-answer")
+    assert not book.granted("late", issue_grant(secret, ttl_s=60.0, now=1_000_000.0))  # arrived after expiry
+
+
+def test_a_grant_retains_one_request_only() -> None:
+    """A grant replayed on other requests is refused there (the nonce is taken), whatever their order."""
+    secret = DeploymentSecret(TEXT.encode())
+    book = GrantBook(secret)
+    grant = issue_grant(secret)
+    assert book.admit("first", grant)
+    assert not book.admit("replay-1", grant) and not book.granted("replay-2", grant)
+    assert book.granted("first", grant) and book.refused["replayed"] == 2
+    book.finish("first")
+    assert not book.granted("replay-3", grant)  # the request ended; its nonce stays taken until the expiry
+    assert book.granted("fresh", issue_grant(secret))
+
+
+def test_a_grant_books_memory_is_bounded() -> None:
+    """Nonces are forgotten once their grants expire (none can be admitted after that) and never exceed
+    ``max_nonces``: beyond, grants are refused rather than remembered."""
+    secret = DeploymentSecret(TEXT.encode())
+    clock = [1_000_000.0]
+    book = GrantBook(secret, max_nonces=100, clock=lambda: clock[0])
+    grants = [issue_grant(secret, ttl_s=60.0, now=clock[0]) for _ in range(150)]
+    admitted = [book.admit(f"r{i}", g) for i, g in enumerate(grants)]
+    assert sum(admitted) == 100 and book.refused["full"] == 50 and book.sizes()["nonces"] == 100
+    for i in range(150):
+        book.finish(f"r{i}")
+    clock[0] += 61.0
+    assert book.admit("later", issue_grant(secret, ttl_s=60.0, now=clock[0]))
+    assert book.sizes() == {"nonces": 1, "requests": 1}
+    assert not book.admit("replayed-after-expiry", grants[0])  # expired: refused without its nonce

@@ -17,7 +17,7 @@ from ..core.blocks import blocks_hold_tokens
 from ..errors import KVShuttleError, shown
 from ..trust import DeploymentSecret
 
-WIRE_VERSION = 2  # 2: every field covered by kvshuttle_mac
+WIRE_VERSION = 3  # 2: every field covered by kvshuttle_mac; 3: length-prefixed (injective) MAC input
 PREFIX = "kvshuttle_"
 MAC_FIELD = PREFIX + "mac"
 _MAC_PURPOSE = "kv-handle"
@@ -64,14 +64,18 @@ class KVHandle:
     ranks: tuple[str, ...] = ()  # kvshuttle_ranks: owner ranks' side channels "host:port" (empty: TP=1, host:port)
 
     def signing_bytes(self) -> bytes:
-        """Every field in one canonical encoding (typed, so a JSON or msgpack round trip cannot change it)."""
+        """Every field in one canonical encoding (typed, so a JSON or msgpack round trip cannot change it) that is
+        injective: each field is length-prefixed, so no byte can move from one field to the next and leave the
+        MAC input unchanged (a separator byte could: strings and digests may hold it)."""
         parts = [self.engine_id, self.request_id, self.host, str(self.port), str(self.num_tokens),
                  float(self.expiry_time).hex(), str(self.tp_size), self.handle_id, str(self.generation),
                  str(self.block_size), float(self.issued_at).hex(), float(self.ttl_s).hex(), str(len(self.block_ids)),
-                 ",".join(map(str, self.ranks))]  # always: an empty list signs as "", rank addresses hold no ","
+                 str(len(self.digests[0]) if self.digests else 0), str(len(self.ranks)), *self.ranks]
+        # With the count and size of the digests (one size: check()), their concatenation splits one way only.
         # Ids as fixed-width integers and digests as bytes: C speed at thousands of blocks (checked in range).
-        return b"\0".join([f"v{WIRE_VERSION}".encode(), *(p.encode() for p in parts),
-                            array.array("q", self.block_ids).tobytes(), b"".join(self.digests)])
+        fields = [f"v{WIRE_VERSION}".encode(), *(p.encode("utf-8", "surrogatepass") for p in parts),
+                  array.array("q", self.block_ids).tobytes(), b"".join(self.digests)]
+        return b"".join(len(f).to_bytes(8, "big") + f for f in fields)
 
     def mac(self, secret: DeploymentSecret) -> str:
         return secret.mac(_MAC_PURPOSE, self.signing_bytes()).hex()

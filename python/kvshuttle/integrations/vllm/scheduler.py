@@ -42,7 +42,7 @@ from ...policy import Decision, KVHandle, PolicyConfig, block_digests, decide, p
 from ...policy.decision import Reason
 from ...policy.kv_handle import PREFIX
 from ...transfer.board import PUBLISH_KEY, check_publish_key
-from ...trust import GRANT_FIELD, DeploymentSecret, grant_valid
+from ...trust import GRANT_FIELD, DeploymentSecret, GrantBook
 from .config import ShuttleConfig
 from .metadata import LoadJob, Publication, RetainJob, ShuttleHandshake, ShuttleMetadata
 from .requests import block_table, finished_normally, unsupported
@@ -65,6 +65,7 @@ class ShuttleScheduler:
         self.cpu_host = cpu_host  # the CPU platform: host threads copy a read's bytes on the compute cores
         self.policy = config.policy()
         self.secret = secret if secret is not None else config.deployment_secret()
+        self._grants = GrantBook(self.secret)  # grants checked at arrival, each good for one request
         self._ranks: tuple[ShuttleHandshake, ...] = ()  # every rank's side channel, once all reported
         self._releases: list[str] = []  # retentions that ended on some rank: end them on every rank
         self._ending: set[str] = set()  # of the held requests, those every rank was told to end
@@ -119,6 +120,8 @@ class ShuttleScheduler:
         on vLLM's state: it may ask again for the same request."""
         self._decisions.pop(request.request_id, None)  # asked again: decide afresh
         params = request.kv_transfer_params
+        if self.config.retain == "granted" and isinstance(params, dict) and GRANT_FIELD in params:
+            self._grants.admit(request.request_id, params[GRANT_FIELD])  # at arrival: covers a long answer
         if not isinstance(params, dict) or not params or params.get(CONSUMED) or (PREFIX + "version") not in params:
             if isinstance(params, dict) and params.get("remote_block_ids") and (PREFIX + "version") not in params:
                 self._warn_once("foreign", "kvshuttle: kv_transfer_params from another connector (no kvshuttle "
@@ -252,6 +255,7 @@ class ShuttleScheduler:
         params = request.kv_transfer_params
         job, out = self._retention(request, block_ids, params, read)
         publication = self._publication(request_id, params, out)
+        self._grants.finish(request_id)
         if job is not None:
             self._retains.append(job)
             self._held.add(request_id)
@@ -268,6 +272,7 @@ class ShuttleScheduler:
             return
         self._decisions.pop(request_id, None)
         self._reads.pop(request_id, None)
+        self._grants.finish(request_id)
         params = getattr(request, "kv_transfer_params", None)
         key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
         if key is not None and request_id not in self._held:
@@ -278,7 +283,7 @@ class ShuttleScheduler:
         key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
         if key is None:  # a streaming router takes the params from the worker's board (board.py)
             return None
-        if self.config.retain == "granted" and not grant_valid(self.secret, params.get(GRANT_FIELD)):
+        if self.config.retain == "granted" and not self._grants.granted(request_id, params.get(GRANT_FIELD)):
             self._count("publish_refused_no_grant")  # a direct client must not fill the bounded board
             return None
         try:
@@ -296,16 +301,16 @@ class ShuttleScheduler:
         prefill = bool(params.get("do_remote_decode"))  # this engine prefilled for a decode
         if not prefill and not self.config.bidirectional:
             return None, None
-        if self.config.retain == "granted" and not grant_valid(self.secret, params.get(GRANT_FIELD)):
-            self._warn_once("retain_refused_no_grant",
-                            f"kvshuttle: request {request.request_id} not retained: its kv_transfer_params carry no "
-                            f"valid {GRANT_FIELD} (a router of this deployment grants retention; set "
-                            "kvshuttle_retain: \"always\" behind a proxy that sends none). Logged once, counted")
-            return None, None
         why = unsupported(request)
         if why:
             self._warn_once("unsupported", f"kvshuttle: request {request.request_id} not retained: {why}, so its "
                                            "tokens do not name its KV (logged once)")
+            return None, None
+        if self.config.retain == "granted" and not self._grants.granted(request.request_id, params.get(GRANT_FIELD)):
+            self._warn_once("retain_refused_no_grant",
+                            f"kvshuttle: request {request.request_id} not retained: its kv_transfer_params carry no "
+                            f"valid {GRANT_FIELD} (a router of this deployment grants retention; set "
+                            "kvshuttle_retain: \"always\" behind a proxy that sends none). Logged once, counted")
             return None, None
         if self.address is None:
             self._warn_once("address", "kvshuttle: the worker has not reported its side channel; nothing retained")
