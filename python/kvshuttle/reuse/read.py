@@ -240,6 +240,7 @@ class ReuseReader:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             self._broken.clear()
+            self._stalled.clear()
         for peer in peers:
             self.engine.disconnect(peer)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -136,8 +137,9 @@ class Quarantine:
         self._closed = False
         self._parked_total = self._released_total = 0
         self._last_s = self._max_s = self._total_s = 0.0
-        self._thread = threading.Thread(target=self._reap_loop, name=f"kvshuttle-quarantine-{agent.name}",
-                                        daemon=True)
+        # the thread holds a weak reference: an engine dropped without close() is still collected
+        self._thread = threading.Thread(target=_reap_loop, args=(weakref.ref(self),),
+                                        name=f"kvshuttle-quarantine-{agent.name}", daemon=True)
         self._thread.start()
 
     def retire(self, xfer: NixlXfer, label: str, *, then: Callable[[], None] | None = None,
@@ -229,15 +231,26 @@ class Quarantine:
         entry.settlement.settle()
         return True
 
-    def _reap_loop(self) -> None:
-        while not self._closed:
-            with self._lock:
-                busy = bool(self._parked)
-            self._wake.wait(self._poll_s if busy else self._idle_s)
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                self.poll()
-            except Exception:  # the reaper must outlive a bug in one hand-back
-                log.exception("kvshuttle: the quarantine reaper failed")
+    def _pause(self) -> tuple[threading.Event, float]:
+        """What the reaper waits on, and for how long: briefly while anything is parked."""
+        with self._lock:
+            return self._wake, self._poll_s if self._parked else self._idle_s
+
+
+def _reap_loop(ref: weakref.ReferenceType[Quarantine]) -> None:
+    while True:
+        quarantine = ref()
+        if quarantine is None or quarantine._closed:
+            return
+        wake, pause = quarantine._pause()
+        del quarantine
+        wake.wait(pause)
+        wake.clear()
+        quarantine = ref()
+        if quarantine is None or quarantine._closed:
+            return
+        try:
+            quarantine.poll()
+        except Exception:  # the reaper must outlive a bug in one hand-back
+            log.exception("kvshuttle: the quarantine reaper failed")
+        del quarantine
