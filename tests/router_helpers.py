@@ -110,7 +110,9 @@ class Deployment:
 
     def metric(self, name: str, **labels: str) -> float:
         """A sample's value from the router's /metrics (0 when absent)."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=TIMEOUT_S) as resp:
+        admin = {"Authorization": f"Bearer {self.config.admin_key}"} if self.config.admin_key else {}
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/metrics", headers=admin),
+                                    timeout=TIMEOUT_S) as resp:
             text = resp.read().decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

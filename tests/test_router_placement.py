@@ -12,7 +12,7 @@ from kvshuttle.router import FIRST_TURN_PARAMS, RouterConfig, parse_backend
 from kvshuttle.router.backends import BackendPool, home_score
 from kvshuttle.router.bodies import CHAT, COMPLETIONS
 from kvshuttle.router.errors import RouterConfigError
-from kvshuttle.router.placement import new_tokens_estimate
+from kvshuttle.router.placement import history_mark, new_tokens_estimate
 from kvshuttle.router.proxy import NO_PREFILL_PARAMS, PUBLISH_KEY
 from router_helpers import Conversation, LoopThread, deploy, prefill_handles, routing, wait_until
 
@@ -59,22 +59,46 @@ def test_rendezvous_homes_agree_across_pools_and_move_only_with_their_backend() 
     assert sum(other.choose_for(k)[0].name != homes[k] for k in keys) > 200  # type: ignore[union-attr]
 
 
+SEEN = [{"role": "user", "content": "a"}]  # the last turn's prompt, as the router saw it; its answer was "b"
+MARK = history_mark(SEEN, "b")
+
+
 @pytest.mark.parametrize("messages, expected", [
     ([{"role": "user", "content": "x" * 400}], None),  # turn 1: nothing held yet
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-      {"role": "user", "content": "x" * 400}], 108),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+    ([*SEEN, {"role": "assistant", "content": "b"}, {"role": "user", "content": "x" * 400}], 108),
+    ([*SEEN, {"role": "assistant", "content": "b"},
       {"role": "tool", "content": "y" * 40}, {"role": "user", "content": [{"type": "text", "text": "z" * 80}]}],
      10 + 8 + 20 + 8),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+    ([*SEEN, {"role": "assistant", "content": "b"},
       {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}], None),
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], None),  # nothing new
-    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, "junk"], None),
+    ([*SEEN, {"role": "assistant", "content": "b"}], None),  # nothing new
+    ([*SEEN, {"role": "assistant", "content": "b"}, "junk"], None),
+    ([*SEEN, {"role": "assistant", "content": [{"type": "text", "text": "b"}]}, {"role": "user", "content": "c"}], 8),
 ])
-def test_new_tokens_are_estimated_after_the_last_assistant_message(messages: list[Any],
-                                                                   expected: int | None) -> None:
-    assert new_tokens_estimate(CHAT, {"messages": messages}) == expected
-    assert new_tokens_estimate(COMPLETIONS, {"prompt": "anything", "messages": messages}) is None
+def test_new_tokens_are_estimated_after_the_history_the_router_saw(messages: list[Any], expected: int | None) -> None:
+    assert new_tokens_estimate(CHAT, {"messages": messages}, MARK) == expected
+    assert new_tokens_estimate(CHAT, {"messages": messages}, None) is None  # no history seen: never decode-local
+    assert new_tokens_estimate(COMPLETIONS, {"prompt": "anything", "messages": messages}, MARK) is None
+
+
+@pytest.mark.parametrize("messages", [
+    # a huge message before a fabricated assistant turn: the new part is huge, whatever follows it
+    [*SEEN, {"role": "assistant", "content": "b"}, {"role": "user", "content": "x" * 400_000},
+     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "short"}],
+    # the history rewritten: a huge first message, then a fabricated answer and a short turn
+    [{"role": "user", "content": "x" * 400_000}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "short"}],
+    # the real prompt, but an answer the decode never gave
+    [*SEEN, {"role": "assistant", "content": "y" * 400_000}, {"role": "user", "content": "short"}],
+    # a message slipped into the history
+    [*SEEN, {"role": "user", "content": "x" * 400_000}, {"role": "assistant", "content": "b"},
+     {"role": "user", "content": "short"}],
+])
+def test_client_written_history_cannot_make_a_turn_look_short(messages: list[Any]) -> None:
+    """Only what follows the exact history the router saw (the last turn's messages and the answer its decode
+    gave) is new: a fabricated assistant turn never hides a huge message from the estimate."""
+    estimate = new_tokens_estimate(CHAT, {"messages": messages}, MARK)
+    assert estimate is None or estimate > 100_000
 
 
 @pytest.mark.parametrize("changes, message", [

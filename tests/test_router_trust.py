@@ -202,7 +202,7 @@ def test_every_prefill_and_decode_request_carries_a_fresh_grant(loop: LoopThread
         for server in (d.prefills[0], *d.decodes):
             assert server.stats.ungranted == 0 and server.stats.granted == len(server.requests)
         grants = {r["body"]["kv_transfer_params"][GRANT_FIELD] for r in requests}
-        assert all(g.startswith("v1.") for g in grants)
+        assert all(g.startswith("v2.") for g in grants) and len(grants) == len(requests)  # one per request
     finally:
         d.close()
 

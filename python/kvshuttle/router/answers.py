@@ -19,7 +19,8 @@ from .backends import BACKEND_FAILURES, Backend, BackendPool
 from .bodies import PRIVATE_MARKERS, client_error_body
 from .errors import StoreError
 from .handles import InvalidHandle, checked_handle
-from .prewarm import MAX_ANSWER_BYTES, Prewarmer, answer_from_json
+from .placement import history_mark
+from .prewarm import MAX_ANSWER_BYTES, Prewarmer, answer_from_events, answer_from_json
 from .relay import error_response as _error
 from .sse import EventFilter, StreamFormatError
 from .store import StoredHandle
@@ -46,6 +47,7 @@ class Answers:
     _take: Taker
     _clock: Callable[[], float]
     _prewarm: Prewarmer | None
+    _keep_answers: bool  # answers' text is kept (a pre-warm, a decode-local turn's history mark)
 
     def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
         raise NotImplementedError
@@ -67,7 +69,7 @@ class Answers:
             except (ValueError, RecursionError):
                 answer = None
             if isinstance(answer, dict):
-                if self._prewarm is not None:
+                if self._keep_answers:
                     turn.answer = answer_from_json(answer)
                 # The handle is a capability on the decode's blocks: it stays between the router and backends.
                 await self._learn(turn, params, backend)
@@ -95,7 +97,9 @@ class Answers:
         out = relay.StreamAnswer(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
                                                                                       "text/event-stream"),
                                                       "Cache-Control": "no-cache"})
-        events = EventFilter(hold_done=turn.key is not None)
+        # [DONE] waits only for a handle that can come: one the decode publishes, or one its stream carried
+        events = EventFilter(hold_done=turn.key is not None and publish is not None,
+                             hold_after_params=turn.key is not None)
         wait = self.config.client_write_timeout_s
         try:
             started = time.perf_counter()
@@ -135,6 +139,8 @@ class Answers:
             await self._stream_error(client, out, f"decode backend {backend.name} failed mid-stream: "
                                                   f"{type(exc).__name__}")
             return out
+        if turn.capture is not None:
+            turn.answer, turn.capture = answer_from_events(turn.capture), None
         if events.dropped:
             self.metrics.events_dropped.inc(events.dropped)
         if events.found:
@@ -185,8 +191,9 @@ class Answers:
             log.warning("router: dropping %s's params for request %s (%s): %s", backend.name, turn.request_id,
                         exc.reason, exc)
             return
+        history = history_mark(turn.messages, turn.answer) if self.config.decode_local_max_tokens > 0 else None
         entry = StoredHandle(turn.tenant, turn.conversation, stored, backend.name, backend.spec.kv_address,
-                             self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home)
+                             self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home, history)
         try:
             await self.store.put(key, entry)
         except StoreError as exc:

@@ -1,5 +1,5 @@
 """The tenant of a request: from its bearer API key (constant time), a trusted gateway's header, or the one
-shared tenant.
+shared tenant; and the ``cache_salt`` that keeps its prefix-cache entries its own.
 
 A presented key is never used to look anything up: its SHA-256 is compared with :func:`hmac.compare_digest`
 against the SHA-256 of every configured key, all of them every time, so neither the time to answer nor the
@@ -53,3 +53,13 @@ class ApiKeys:
 def header_tenant(value: str | None) -> str | None:
     """A tenant named by a trusted gateway's header, when it is a short printable string."""
     return valid_id(value)
+
+
+def cache_salt(key: bytes, tenant: str, conversation: str | None, client_salt: str | None) -> str:
+    """vLLM's ``cache_salt`` for a request: a keyed hash (``key`` derived from the deployment secret) of the tenant,
+    the conversation (None: per tenant) and the client's own salt, if any, folded in, never in place of the
+    tenant's. Length-prefixed: no two triples hash alike by moving characters between them."""
+    parts = (tenant, conversation or "", client_salt or "")
+    encoded = [p.encode("utf-8", "surrogatepass") for p in parts]
+    raw = b"".join(len(p).to_bytes(4, "big") + p for p in encoded)
+    return hashlib.blake2b(raw, digest_size=16, key=key).hexdigest()

@@ -52,6 +52,10 @@ class Backend:
     def url(self) -> str:
         return self.spec.url
 
+    def headers(self, base: dict[str, str]) -> dict[str, str]:
+        """``base`` with this backend's own credentials (its URL's user:password@), when it has some."""
+        return base if self.spec.auth is None else {**base, "Authorization": self.spec.auth}
+
     def __repr__(self) -> str:
         return f"Backend({self.role} {self.name}, {'up' if self.healthy else 'down'}, {self.in_flight} in flight)"
 
@@ -108,7 +112,7 @@ class BackendPool:
         """One health check of every backend, concurrently."""
         async def one(backend: Backend) -> None:
             try:
-                async with session.get(backend.url + "/health",
+                async with session.get(backend.url + "/health", headers=backend.headers({}),
                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                     ok, why = resp.status == 200, f"/health answered {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

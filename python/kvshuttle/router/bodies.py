@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -32,15 +33,18 @@ PRIVATE_MARKERS = (b"kv_transfer_params", b"kvshuttle_", b"remote_block_ids", b"
 
 
 class BadRequest(Exception):
-    """A client request the router refuses: ``status`` (400, 408, 413, 415) and a message safe to show."""
+    """A client request the router refuses: ``status`` (400, 408, 413, 415, 429, 503), a message safe to show and
+    the error body's ``type`` (``kind``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.kind = status, kind
 
 
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole request body; BadRequest 413 past ``max_bytes``, 408 when not all there within ``timeout_s``."""
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float,
+                    take: Callable[[bytes], None] | None = None) -> bytes:
+    """The whole request body; BadRequest 413 past ``max_bytes``, 408 when not all there within ``timeout_s``.
+    ``take(chunk)`` sees every chunk as it arrives (and may refuse the body by raising BadRequest)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise BadRequest(415, f"Content-Encoding {encoding[:32]!r} is not accepted; send the body uncompressed")
@@ -58,6 +62,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
             total += len(chunk)
             if total > max_bytes:
                 raise BadRequest(413, f"the request body is over the limit of {max_bytes} bytes")
+            if take is not None:
+                take(chunk)
             chunks.append(chunk)
 
     try:

@@ -7,36 +7,41 @@ once the stream ends (vLLM puts ``kv_transfer_params`` only on non-streaming res
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ..errors import shown
 from ..trust import DeploymentSecret, is_loopback
 from .errors import RouterConfigError
-from .redact import redact_url
+from .redact import redact_url, register, url_secrets
 
 Connector = Literal["kvshuttle", "nixl"]
 Reads = Literal["use_once", "multi"]
 Balance = Literal["round_robin", "least_loaded"]
 Affinity = Literal["conversation", "none"]
+CacheSalt = Literal["auto", "tenant", "conversation", "off"]
 CONNECTORS: tuple[Connector, ...] = ("kvshuttle", "nixl")
 READS: tuple[Reads, ...] = ("use_once", "multi")
 BALANCES: tuple[Balance, ...] = ("round_robin", "least_loaded")
 AFFINITIES: tuple[Affinity, ...] = ("conversation", "none")
+CACHE_SALTS: tuple[CacheSalt, ...] = ("auto", "tenant", "conversation", "off")
 DEFAULT_TENANT = "default"  # every request's tenant when neither a tenant header nor API keys are configured
-SECRET_FIELDS = ("api_keys", "backend_api_key", "secret")  # never shown by repr
+SECRET_FIELDS = ("api_keys", "backend_api_key", "admin_key", "secret")  # never shown by repr
 
 
 @dataclass(frozen=True)
 class BackendSpec:
     """One vLLM server: its base URL (``http://host:port``, no path) and, for a decode, its side channel."""
 
-    url: str
+    url: str  # never with credentials: it names the backend in logs, /health and /metrics
     kv_address: str | None = None  # "tcp://host:port", where take_published / release reach it
+    # "Basic ..." from a URL's user:password@ (kept out of url, repr and every log line)
+    auth: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -48,13 +53,13 @@ def parse_backend(text: str) -> BackendSpec:
     url, _, rest = text.partition(",")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RouterConfigError(f"a backend is http(s)://host:port[,kv=HOST:PORT], got {shown(text)}")
+        raise RouterConfigError(f"a backend is http(s)://host:port[,kv=HOST:PORT], got {shown(redact_url(text))}")
     try:
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError:
-        raise RouterConfigError(f"bad port in backend {shown(text)}") from None
+        raise RouterConfigError(f"bad port in backend {shown(redact_url(text))}") from None
     if parts.path.rstrip("/") not in ("", "/v1") or parts.query or parts.fragment:
-        raise RouterConfigError(f"a backend URL is scheme://host:port (optionally /v1), got {shown(text)}")
+        raise RouterConfigError(f"a backend URL is scheme://host:port (optionally /v1), got {shown(redact_url(text))}")
     kv = None
     if rest:
         key, _, value = rest.partition("=")
@@ -62,8 +67,14 @@ def parse_backend(text: str) -> BackendSpec:
         if key != "kv" or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise RouterConfigError(f"the suffix of a backend is ,kv=HOST:PORT, got {shown(rest)}")
         kv = f"tcp://{host}:{int(port)}"
-    base = f"{parts.scheme}://{parts.netloc}"
-    return BackendSpec(base, kv)
+    host_port = parts.netloc.rpartition("@")[2]
+    auth = None
+    if "@" in parts.netloc:  # credentials go in a header of their own, never in what names the backend
+        register(url_secrets(url))
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        register([auth, auth.removeprefix("Basic ")])
+    return BackendSpec(f"{parts.scheme}://{host_port}", kv, auth)
 
 
 def load_api_keys(path: str | Path) -> dict[str, str]:
@@ -134,6 +145,23 @@ class RouterConfig:
     body_timeout_s: float = 30.0  # the whole body must arrive within this (408), however it trickles
     client_write_timeout_s: float = 30.0  # one write to a client; a client not reading is cut, its backend closed
     client_idle_timeout_s: float = 75.0  # a kept-alive client connection idle this long is closed
+    # What one tenant may make the router hold (router/admission.py); with one shared tenant (no --api-keys or
+    # --tenant-header) the tenant bounds are the router's own.
+    tenant_max_requests: int = 64  # inside at once: reading a body, waiting or served (429 beyond)
+    tenant_max_in_flight: int = 32  # served at once; more wait (other tenants' turns pass them)
+    tenant_max_bytes: int = 64 << 20  # bodies held, at their parsed estimate (429 beyond)
+    max_held_bytes: int = 512 << 20  # bodies held over every tenant (503 beyond)
+    max_parsed_bytes: int = 32 << 20  # one body's parsed estimate (413 body_too_complex beyond, never parsed)
+    # Stored handles per tenant (None: a quarter of the store's bounds when tenants are configured): a tenant
+    # over its quota loses its own least recently used conversations (released on their decode), not others'.
+    tenant_max_conversations: int | None = None
+    tenant_max_store_bytes: int | None = None
+    shutdown_grace_s: float = 5.0  # SIGTERM: turns being served get this long; waiting ones are refused at once
+    # vLLM's cache_salt on every prefill, decode and pre-warm request: "tenant" (a keyed hash of the tenant, so
+    # no tenant's prefix-cache hit or timing tells another anything), "conversation" (of tenant and
+    # conversation), "off", or "auto": "tenant" when tenants are configured, else "off".
+    cache_salt: CacheSalt = "auto"
+    admin_key: str | None = None  # with API keys, /health and /metrics need it (Bearer), or the admin listener
     # The deployment secret: verifies decode handles before they are stored, signs retention grants and
     # authenticates side-channel calls. None: DeploymentSecret.resolve() when the router starts.
     secret: DeploymentSecret | None = field(default=None, compare=False)
@@ -195,6 +223,19 @@ class RouterConfig:
             raise RouterConfigError(f"max_in_flight must be a positive int, got {shown(self.max_in_flight)}")
         if not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
             raise RouterConfigError(f"retries must be an int in [0, 10], got {shown(self.retries)}")
+        for name in ("tenant_max_requests", "tenant_max_in_flight", "tenant_max_bytes", "max_held_bytes",
+                     "max_parsed_bytes"):
+            if type(getattr(self, name)) is not int or getattr(self, name) <= 0:
+                raise RouterConfigError(f"{name} must be a positive int, got {shown(getattr(self, name))}")
+        for name in ("tenant_max_conversations", "tenant_max_store_bytes"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise RouterConfigError(f"{name} must be a positive int or None, got {shown(value)}")
+        if not isinstance(self.shutdown_grace_s, (int, float)) or not 0 <= self.shutdown_grace_s < math.inf:
+            raise RouterConfigError(f"shutdown_grace_s must be a number of seconds >= 0, got "
+                                    f"{shown(self.shutdown_grace_s)}")
+        if self.cache_salt not in CACHE_SALTS:
+            raise RouterConfigError(f"--cache-salt is one of {CACHE_SALTS}, got {shown(self.cache_salt)}")
         if self.tenant_header is not None and self.api_keys:
             raise RouterConfigError("use either --tenant-header or --api-keys, not both")
         if self.store != "memory" and not self.store.startswith(("redis://", "rediss://", "unix://")):
@@ -203,6 +244,24 @@ class RouterConfig:
             raise RouterConfigError("kv=HOST:PORT is kvshuttle's decode side channel; vLLM's NixlConnector has "
                                     "none (drop the suffix or use --connector kvshuttle)")
         return self
+
+    @property
+    def tenants(self) -> bool:
+        """Whether requests have tenants of their own (API keys or a gateway's header), not one shared."""
+        return bool(self.api_keys) or self.tenant_header is not None
+
+    @property
+    def salt_mode(self) -> CacheSalt:
+        """The cache-salt mode in effect (``auto`` resolved)."""
+        if self.cache_salt == "auto":
+            return "tenant" if self.tenants else "off"
+        return self.cache_salt
+
+    def store_quota(self) -> tuple[int, int]:
+        """(conversations, bytes) one tenant may keep in the memory store or Redis."""
+        share = 4 if self.tenants else 1
+        return (self.tenant_max_conversations or max(1, self.max_conversations // share),
+                self.tenant_max_store_bytes or max(1, self.max_store_bytes // share))
 
 
 def check_exposure(host: str, config: RouterConfig, allow_shared_tenant: bool = False) -> None:

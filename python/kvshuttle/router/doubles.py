@@ -18,7 +18,8 @@ Both roles count the requests that carried a valid retention grant (``kvshuttle_
 dropped after the first chunk), ``malformed`` (handles the router must refuse), ``forged`` (a signed handle
 edited afterwards), ``unsigned`` (no MAC), ``hang`` (never answers), ``flood`` (a stream that never ends,
 64 KiB events as fast as they are taken), ``echo_400`` (a 400 whose message echoes the request, as vLLM's
-validation errors may), ``unhealthy`` (``/health`` answers 503); ``barrier`` holds requests until that many have
+validation errors may), ``unhealthy`` (``/health`` answers 503), ``linger`` (a stream stays open 3 s after its end
+marker); ``barrier`` holds requests until that many have
 arrived. Used by the router's tests and ``kvshuttle bench router``
 (``python -m kvshuttle.router.doubles`` serves a prefill and a decode and prints their addresses as JSON).
 """
@@ -79,6 +80,7 @@ class Stats:
     flood_ended: int = 0  # "flood" streams that ended (their reader went away)
     released: list[str] = field(default_factory=list)
     max_active: int = 0  # most completion requests in progress at once
+    cancelled: int = 0  # completion requests whose client (the router) went away before the answer was done
 
 
 class FakeVllm:
@@ -190,6 +192,9 @@ class FakeVllm:
         self.stats.max_active = max(self.stats.max_active, self._active)
         try:
             return await self._completion(request)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1
+            raise
         finally:
             self._active -= 1
 
@@ -319,6 +324,8 @@ class FakeVllm:
             self.board.put(key, params)
             self.stats.published += 1
         await out.write(b"data: [DONE]\n\n")
+        if self.behaviour == "linger":  # the end marker, then the stream stays open a while
+            await asyncio.sleep(3.0)
         await out.write_eof()
         return out
 

@@ -1,9 +1,17 @@
 """The router's small endpoints (health, metrics, models, deleting a conversation) and the release of a decode's
-retention, as a mixin of :class:`kvshuttle.router.proxy.Router` (whose turn path lives in ``proxy.py``)."""
+retention, as a mixin of :class:`kvshuttle.router.proxy.Router` (whose turn path lives in ``proxy.py``).
+
+With API keys configured, ``/health`` and ``/metrics`` (backend names, load, what the router holds) are not for
+whoever holds a tenant's key: on the main listener they need the admin key (``Authorization: Bearer``, compared
+in constant time), and :meth:`Endpoints.admin_app` serves them on a listener of their own (``--admin-port``,
+meant for an address only the operator's probes and scrapers reach)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -15,6 +23,11 @@ from .errors import StoreError
 from .handles import store_key, valid_id
 from .relay import error_response as _error
 from .store import MemoryStore, StoredHandle
+
+if TYPE_CHECKING:
+    from .admission import Gate
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 if TYPE_CHECKING:
     from .auth import ApiKeys
@@ -37,12 +50,36 @@ class Endpoints:
     _keys: ApiKeys
     _session: aiohttp.ClientSession | None
     _release: Releaser
+    _gate: Gate
 
     def _tenant(self, request: web.Request) -> str | None:
         raise NotImplementedError
 
     def _auth(self, request: web.Request) -> dict[str, str]:
         raise NotImplementedError
+
+    def admin_app(self) -> web.Application:
+        """``/health`` and ``/metrics`` alone, open: for a listener only the operator reaches (``--admin-port``)."""
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    def _admin_only(self, handler: Handler) -> Handler:
+        """``handler`` as the main listener serves it: open without API keys; with them, for the admin key only."""
+        if not self._keys:
+            return handler
+        expected = hashlib.sha256((self.config.admin_key or "").encode()).digest()
+
+        async def guarded(request: web.Request) -> web.Response:
+            auth = request.headers.get("Authorization", "")
+            presented = hashlib.sha256(auth[7:].strip().encode("utf-8", "surrogatepass")).digest()
+            if self.config.admin_key and auth[:7].lower() == "bearer " and hmac.compare_digest(presented, expected):
+                return await handler(request)
+            return _error(401, f"{request.path} needs the router's admin key (--admin-key-file) when API keys are "
+                               "configured, or use the admin listener (--admin-port)", "authentication_error")
+
+        return guarded
 
     async def _health(self, _: web.Request) -> web.Response:
         def pool(p: BackendPool) -> list[dict[str, Any]]:
@@ -60,6 +97,8 @@ class Endpoints:
             self.metrics.store_errors.labels("count").inc()
         if isinstance(self.store, MemoryStore):
             self.metrics.store_bytes.set(self.store.bytes)
+        self.metrics.held_bytes.set(self._gate.held)
+        self.metrics.waiting.set(self._gate.waiting)
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -69,7 +108,8 @@ class Endpoints:
         backend = self.decode.choose()
         assert backend is not None
         try:
-            async with self._session.get(backend.url + "/v1/models", headers=self._auth(request)) as resp:
+            async with self._session.get(backend.url + "/v1/models",
+                                         headers=backend.headers(self._auth(request))) as resp:
                 return web.Response(body=client_error_body(await resp.read(), resp.status), status=resp.status,
                                     content_type="application/json")
         except BACKEND_FAILURES as exc:

@@ -20,9 +20,20 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .config import AFFINITIES, BALANCES, CONNECTORS, READS, RouterConfig, check_exposure, load_api_keys, parse_backend
+from .config import (
+    AFFINITIES,
+    BALANCES,
+    CACHE_SALTS,
+    CONNECTORS,
+    READS,
+    RouterConfig,
+    check_exposure,
+    load_api_keys,
+    parse_backend,
+)
 from .errors import RouterConfigError
 from .redact import (
+    ADMIN_KEY_ENV,
     BACKEND_API_KEY_ENV,
     REDIS_URL_ENV,
     RedactingFilter,
@@ -101,6 +112,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds one write to a client may take; a client not reading is cut")
     parser.add_argument("--client-idle-timeout", type=float, default=75.0,
                         help="seconds a kept-alive client connection may sit idle")
+    parser.add_argument("--tenant-max-requests", type=int, default=64, metavar="N",
+                        help="requests of one tenant inside the router at once (reading, waiting, served); 429 beyond")
+    parser.add_argument("--tenant-max-in-flight", type=int, default=32, metavar="N",
+                        help="turns of one tenant served at once; more wait (other tenants' turns pass them)")
+    parser.add_argument("--tenant-max-bytes", type=byte_size, default=64 << 20,
+                        help="request bodies one tenant may have the router hold, at their parsed size; default 64M")
+    parser.add_argument("--max-held-bytes", type=byte_size, default=512 << 20,
+                        help="request bodies the router holds over every tenant (503 beyond); default 512M")
+    parser.add_argument("--max-parsed-bytes", type=byte_size, default=32 << 20,
+                        help="one body's estimated parsed size (413 body_too_complex beyond, never parsed); 32M")
+    parser.add_argument("--tenant-max-conversations", type=int, default=None, metavar="N",
+                        help="stored conversations per tenant (default: a quarter of --max-conversations with "
+                             "tenants); a tenant over it loses its own least recently used")
+    parser.add_argument("--tenant-max-store-bytes", type=byte_size, default=None,
+                        help="memory store bytes per tenant (default: a quarter of --max-store-bytes with tenants)")
+    parser.add_argument("--cache-salt", choices=CACHE_SALTS, default="auto",
+                        help="vLLM cache_salt the router sets on every backend request: tenant (a keyed hash of the "
+                             "tenant), conversation, off; auto: tenant when tenants are configured, else off")
+    parser.add_argument("--shutdown-grace", type=float, default=5.0,
+                        help="seconds SIGTERM leaves turns being served (waiting ones are refused at once)")
+    parser.add_argument("--admin-port", type=int, default=None,
+                        help="serve /health and /metrics on this port too, open (bind it where only the operator "
+                             "reaches: --admin-host)")
+    parser.add_argument("--admin-host", default="127.0.0.1", help="the admin listener's address")
+    parser.add_argument("--admin-key-file", metavar="PATH",
+                        help=f"a file holding the key /health and /metrics need on the main listener when API keys "
+                             f"are configured (or {ADMIN_KEY_ENV})")
     parser.add_argument("--backend-api-key", help=f"bearer token for the backends (default: forward the client's; "
                                                   f"prefer {BACKEND_API_KEY_ENV} or --backend-api-key-file)")
     parser.add_argument("--backend-api-key-file", metavar="PATH", help="a file holding the backends' bearer token")
@@ -140,6 +178,10 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         "--backend-api-key-file": (read_secret_file(args.backend_api_key_file, "the backends' API key")
                                    if args.backend_api_key_file else None)}, BACKEND_API_KEY_ENV, env)
     register([backend_key])
+    admin_key = one_source("the admin key", {
+        "--admin-key-file": read_secret_file(args.admin_key_file, "the admin key") if args.admin_key_file else None},
+        ADMIN_KEY_ENV, env)
+    register([admin_key])
     api_keys = load_api_keys(args.api_keys) if args.api_keys else {}
     register(api_keys)
     config = RouterConfig(
@@ -153,6 +195,11 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         backend_api_key=backend_key, store_timeout_s=args.store_timeout, max_in_flight=args.max_in_flight,
         max_store_bytes=args.max_store_bytes, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
         client_write_timeout_s=args.client_write_timeout, client_idle_timeout_s=args.client_idle_timeout,
+        tenant_max_requests=args.tenant_max_requests, tenant_max_in_flight=args.tenant_max_in_flight,
+        tenant_max_bytes=args.tenant_max_bytes, max_held_bytes=args.max_held_bytes,
+        max_parsed_bytes=args.max_parsed_bytes, tenant_max_conversations=args.tenant_max_conversations,
+        tenant_max_store_bytes=args.tenant_max_store_bytes, cache_salt=args.cache_salt,
+        shutdown_grace_s=args.shutdown_grace, admin_key=admin_key,
     ).check()
     check_exposure(args.host, config, args.allow_shared_tenant)
     return config
@@ -192,16 +239,23 @@ def _logging(fmt: str, level: str) -> None:
         other.propagate = False
 
 
-async def serve(config: RouterConfig, host: str, port: int) -> None:
-    from .proxy import Router
-
-    runner = Router(config).runner()
-    await runner.setup()
+async def serve(config: RouterConfig, host: str, port: int, admin: tuple[str, int] | None = None) -> None:
     from aiohttp import web
 
+    from .proxy import Router
+
+    router = Router(config)
+    runner = router.runner()
+    await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
+    admin_runner = None
+    if admin is not None:  # /health and /metrics where only the operator reaches
+        admin_runner = web.AppRunner(router.admin_app(), access_log=None, shutdown_timeout=1.0)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, admin[0], admin[1]).start()
+        print(f"kvshuttle router: admin on http://{admin[0]}:{admin_runner.addresses[0][1]}", flush=True)
     print(f"kvshuttle router: listening on http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -210,7 +264,10 @@ async def serve(config: RouterConfig, host: str, port: int) -> None:
     try:
         await stop.wait()
     finally:
+        router.shutdown()  # waiting turns and newcomers: 503 now; turns being served: shutdown_grace_s
         await runner.cleanup()
+        if admin_runner is not None:
+            await admin_runner.cleanup()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -221,7 +278,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     _logging(args.log_format, args.log_level)
     try:
-        _run(args.loop, serve(config, args.host, args.port))
+        admin = (args.admin_host, args.admin_port) if args.admin_port is not None else None
+        _run(args.loop, serve(config, args.host, args.port, admin))
     except RouterConfigError as exc:
         print(f"kvshuttle router: {scrub(str(exc))}", file=sys.stderr)
         return 2

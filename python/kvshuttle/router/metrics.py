@@ -41,6 +41,15 @@ class RouterMetrics:
         self.store_bytes = Gauge("kvshuttle_router_store_bytes",
                                  "Approximate serialized bytes of the memory store's handles (updated on scrape)",
                                  registry=r)
+        self.held_bytes = Gauge("kvshuttle_router_held_body_bytes",
+                                "Request bodies the router holds (reading, waiting, served), at their parsed estimate "
+                                "(updated on scrape)", registry=r)
+        self.waiting = Gauge("kvshuttle_router_waiting_turns",
+                             "Turns waiting for an admission slot (updated on scrape)", registry=r)
+        self.refusals = Counter("kvshuttle_router_refusals",
+                                "Requests refused at admission: tenant_busy (429: the tenant's requests or bytes), "
+                                "router_busy (503: all bodies' bytes), body_too_complex (413: its parsed estimate), "
+                                "router_shutting_down (503)", ["kind"], registry=r)
         self.added_latency = Histogram("kvshuttle_router_added_latency_seconds",
                                        "Router's own time on a turn's path to its first byte (backend waits "
                                        "excluded)", buckets=LATENCY_BUCKETS, registry=r)

@@ -3,14 +3,19 @@ straight on the decode that holds the conversation ("decode-local": no prefill a
 
 A decode that holds a conversation's KV (retained for its handle, and in its own prefix cache) computes a short
 follow-up from that cache faster than a prefill can read the history back: NVIDIA Dynamo's "conditional
-disaggregation". The router does not tokenize, so "short" is an estimate over the turn's new messages (those after
-the last assistant message): their text's UTF-8 bytes / 4, plus a few tokens of chat template per message. It
-errs towards the regular path: a turn with non-text content, or a completions prompt (whose new part the router
-cannot tell), is never decode-local.
+disaggregation". The router does not tokenize, so "short" is an estimate over the turn's new messages: their
+text's UTF-8 bytes / 4, plus a few tokens of chat template per message. Which messages are new is decided by what
+the router itself saw, never by the client's word: the stored handle carries a :func:`history_mark` (digests of
+the last turn's messages and of the answer the decode gave), and only what follows that exact history counts as
+new. A client that rewrote its history (a huge message before a fabricated assistant turn) matches no mark and
+goes through a prefill. It errs towards the regular path: a turn with non-text content, a history the router did
+not see, or a completions prompt (whose new part the router cannot tell), is never decode-local.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Literal
 
 from .bodies import CHAT
@@ -22,20 +27,42 @@ BYTES_PER_TOKEN = 4  # a typical BPE tokenizer on English text; code and other s
 TEMPLATE_TOKENS = 8  # a chat template's role markers and separators per message
 
 
-def new_tokens_estimate(endpoint: str, body: dict[str, Any]) -> int | None:
-    """About how many tokens a chat turn adds after its last assistant message; None when it cannot be told
-    (not chat, no assistant message yet, or content that is not plain text)."""
-    if endpoint != CHAT:
+def _digest(items: list[str]) -> str:
+    raw = b"".join(len(b).to_bytes(8, "big") + b for b in (i.encode("utf-8", "surrogatepass") for i in items))
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def _canonical(messages: list[Any]) -> str:
+    return _digest([json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=False) for m in messages])
+
+
+def history_mark(messages: Any, answer: str | None) -> str | None:
+    """What the decode holds after a chat turn, as the router saw it: ``count:digest(messages):digest(answer)``;
+    None when it cannot be told (no messages, or an answer that is not plain text)."""
+    if not isinstance(messages, list) or answer is None:
+        return None
+    return f"{len(messages)}:{_canonical(messages)}:{_digest([answer])}"
+
+
+def new_tokens_estimate(endpoint: str, body: dict[str, Any], history: str | None) -> int | None:
+    """About how many tokens a chat turn adds to ``history`` (the stored :func:`history_mark`); None when it
+    cannot be told (not chat, no mark, a history that is not the one the router saw, content not plain text)."""
+    if endpoint != CHAT or history is None:
         return None
     messages = body.get("messages")
-    if not isinstance(messages, list):
+    count_text, _, rest = history.partition(":")
+    seen, _, answer = rest.partition(":")
+    if not isinstance(messages, list) or not count_text.isdigit() or len(messages) <= int(count_text) + 1:
         return None
-    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
-               default=None)
-    if last is None:
+    count = int(count_text)
+    reply = messages[count]
+    if not isinstance(reply, dict) or reply.get("role") != "assistant":
         return None
+    text = _text(reply.get("content"))
+    if text is None or _digest([text]) != answer or _canonical(messages[:count]) != seen:
+        return None  # not the history the decode holds: its prefix cache would not cover it
     total = 0
-    for message in messages[last + 1:]:
+    for message in messages[count + 1:]:
         text = _text(message.get("content") if isinstance(message, dict) else None)
         if text is None:
             return None
@@ -52,10 +79,10 @@ def _text(content: Any) -> str | None:
     return None
 
 
-def decode_local(max_tokens: int, endpoint: str, body: dict[str, Any]) -> int | None:
+def decode_local(max_tokens: int, endpoint: str, body: dict[str, Any], history: str | None) -> int | None:
     """The turn's new-token estimate when it is short enough to compute on its decode (``max_tokens`` > 0),
     else None."""
     if max_tokens <= 0:
         return None
-    estimate = new_tokens_estimate(endpoint, body)
+    estimate = new_tokens_estimate(endpoint, body, history)
     return estimate if estimate is not None and estimate <= max_tokens else None

@@ -5,7 +5,8 @@ the answer, as the next turn's prompt will start) to the prefill that will take 
 
 No handle goes with it: under affinity that prefill already holds the history up to this turn's prompt, so it
 computes only the answer's tokens (the decode's handle stays in the store for the next turn, in case that prefill
-is gone by then). Bounded: at most ``max_in_flight`` pre-warms per prefill (more are skipped, ``busy``); the next
+is gone by then). Bounded: at most ``max_in_flight`` pre-warms per prefill (more are skipped, ``busy``), of which
+one tenant holds at most half (at least one), so one tenant's churn never takes another's pre-warms; the next
 turn of the conversation cancels its pre-warm if it is still running (``superseded``); a pre-warm counts ``used``
 when the next turn went to the prefill it warmed, ``wasted`` when it went elsewhere. Pre-warms never take an
 admission slot and nothing on a turn's path waits for one.
@@ -81,6 +82,8 @@ class Prewarmer:
         self._session, self._metrics = session, metrics
         self.max_in_flight, self.timeout_s, self.max_tracked = max_in_flight, timeout_s, max_tracked
         self._busy: dict[str, int] = {}  # prefill name -> pre-warms in flight there
+        self._tenant_busy: dict[tuple[str, str], int] = {}  # (prefill name, tenant) -> its pre-warms there
+        self.tenant_share = max(1, max_in_flight // 2)
         self._running: dict[str, asyncio.Task[None]] = {}  # conversation key -> its pre-warm in flight
         self._warmed: OrderedDict[str, str] = OrderedDict()  # conversation key -> prefill warmed (bounded)
 
@@ -101,19 +104,25 @@ class Prewarmer:
             self.count("used" if warmed == prefill else "wasted")
 
     def start(self, key: str, backend: Backend, body: dict[str, Any], answer: str,
-              headers: dict[str, str]) -> None:
-        if self._busy.get(backend.name, 0) >= self.max_in_flight:
+              headers: dict[str, str], tenant: str = "") -> None:
+        mine = (backend.name, tenant)
+        if self._busy.get(backend.name, 0) >= self.max_in_flight or \
+                self._tenant_busy.get(mine, 0) >= self.tenant_share:
             self.count("busy")
             return
         self._busy[backend.name] = self._busy.get(backend.name, 0) + 1
+        self._tenant_busy[mine] = self._tenant_busy.get(mine, 0) + 1
         task = asyncio.get_running_loop().create_task(self._send(key, backend, warming_request(body, answer),
-                                                                 headers))
+                                                                 backend.headers(headers)))
         self._running[key] = task
-        task.add_done_callback(lambda _: self._done(key, backend, task))
+        task.add_done_callback(lambda _: self._done(key, mine, task))
         self.count("sent")
 
-    def _done(self, key: str, backend: Backend, task: asyncio.Task[None]) -> None:
-        self._busy[backend.name] -= 1
+    def _done(self, key: str, mine: tuple[str, str], task: asyncio.Task[None]) -> None:
+        self._busy[mine[0]] -= 1
+        self._tenant_busy[mine] -= 1
+        if not self._tenant_busy[mine]:
+            del self._tenant_busy[mine]
         if self._running.get(key) is task:
             del self._running[key]
 

@@ -42,17 +42,19 @@ from aiohttp import web
 
 from ..trust import GRANT_FIELD, DeploymentSecret, TrustError, is_loopback, issue_grant
 from . import relay
+from .admission import Gate, limits_of
 from .answers import Answers
-from .auth import ApiKeys, header_tenant
+from .auth import ApiKeys, cache_salt, header_tenant
 from .backends import BACKEND_FAILURES, Backend, BackendPool
-from .bodies import CHAT, COMPLETIONS, BadRequest, client_error_body, parse_body, read_body
+from .bodies import CHAT, COMPLETIONS, BadRequest, parse_body, read_body
 from .config import DEFAULT_TENANT, RouterConfig
 from .endpoints import Endpoints
 from .errors import RouterConfigError, StoreError
-from .handles import prefill_params, valid_id
+from .handles import valid_id
 from .kv import Releaser, SideChannelCalls, Taker
 from .metrics import RouterMetrics
 from .placement import decode_local
+from .prefills import Prefills
 from .prewarm import Prewarmer, answer_from_events
 from .redact import install_filter, redact_url, register, scrub, url_secrets
 from .relay import error_response as _error
@@ -63,11 +65,10 @@ log = logging.getLogger("kvshuttle.router")
 
 PUBLISH_KEY = "kvshuttle_publish_key"  # kvshuttle.transfer.board.PUBLISH_KEY (not imported: no pyzmq needed)
 NO_PREFILL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False}  # decode computes the prompt itself
-PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-class Router(Answers, Endpoints):
+class Router(Answers, Endpoints, Prefills):
     """The router's state and its aiohttp application (:meth:`app`; :meth:`runner` serves it)."""
 
     def __init__(self, config: RouterConfig, *, store: HandleStore | None = None, taker: Taker | None = None,
@@ -97,10 +98,12 @@ class Router(Answers, Endpoints):
         self._take: Taker = taker or self._calls.take  # type: ignore[union-attr]
         self._release: Releaser = releaser or self._calls.release  # type: ignore[union-attr]
         self._session: aiohttp.ClientSession | None = None
-        # Turns beyond this wait here, before any work: an overloaded loop would otherwise lag past the store's
-        # and backends' timeouts and turn every overload into lost handles. Only turns whose whole body is in
-        # take a slot: a client trickling its body holds a connection, never a slot.
-        self._admitted = asyncio.Semaphore(config.max_in_flight)
+        # Turns beyond max_in_flight wait in the gate, before any work: an overloaded loop would otherwise lag past
+        # the store's and backends' timeouts. Only turns whose whole body is in take a slot (a client trickling
+        # its body holds a connection, never a slot), and each tenant's share is bounded (admission.py).
+        self._gate = Gate(limits_of(config))
+        self._salt_key = self.secret.key("router-cache-salt") if config.salt_mode != "off" else None
+        self._keep_answers = config.prewarm or config.decode_local_max_tokens > 0
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:12]  # request ids: unique per router process, not secret
         self._tasks: list[asyncio.Task[None]] = []
@@ -120,11 +123,19 @@ class Router(Answers, Endpoints):
 
     def _make_store(self) -> HandleStore:
         cfg, m = self.config, self.metrics
+        entries, size = cfg.store_quota()
         if cfg.store == "memory":
             return MemoryStore(cfg.max_conversations, cfg.sweep_interval_s, self._clock,
-                               on_expire=m.expirations.inc, on_evict=m.evictions.inc, max_bytes=cfg.max_store_bytes)
+                               on_expire=m.expirations.inc, on_evict=m.evictions.inc, max_bytes=cfg.max_store_bytes,
+                               tenant_max_entries=entries, tenant_max_bytes=size, on_drop=self._dropped)
         return RedisStore(cfg.store, cfg.redis_key_prefix, cfg.sweep_interval_s, timeout_s=cfg.store_timeout_s,
-                          clock=self._clock, on_expire=m.expirations.inc)
+                          clock=self._clock, on_expire=m.expirations.inc, tenant_max_entries=entries,
+                          on_drop=self._dropped)
+
+    def _dropped(self, entry: StoredHandle) -> None:
+        """A conversation the store let go at a bound: its decode need not hold it to its TTL."""
+        if self.config.connector == "kvshuttle" and self._session is not None:
+            self._background(self._release_quietly(entry))
 
     # -- application ----------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -134,16 +145,23 @@ class Router(Answers, Endpoints):
         app.router.add_post(COMPLETIONS, self._completions)
         app.router.add_delete("/v1/conversations/{conversation}", self._delete)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._admin_only(self._health))
+        app.router.add_get("/metrics", self._admin_only(self._metrics))
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app
 
     def runner(self) -> web.AppRunner:
         """An AppRunner for :meth:`app` with the client-facing limits (idle keep-alive, no compressed bodies)."""
+        # handler_cancellation: a client that goes away cancels its turn (the backend requests are closed, no
+        # prefill or decode computes for nobody); shutdown_timeout: what SIGTERM leaves turns being served.
         return web.AppRunner(self.app(), access_log=None, keepalive_timeout=self.config.client_idle_timeout_s,
-                             auto_decompress=False)
+                             auto_decompress=False, handler_cancellation=True,
+                             shutdown_timeout=self.config.shutdown_grace_s)
+
+    def shutdown(self) -> None:
+        """Stop admitting: turns waiting for a slot and every newcomer get a 503 at once (SIGTERM)."""
+        self._gate.close()
 
     async def _start(self, _: web.Application) -> None:
         cfg = self.config
@@ -183,23 +201,37 @@ class Router(Answers, Endpoints):
         return await self._admit(request, COMPLETIONS)
 
     async def _admit(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        """Authenticate, read and check the whole body, and only then wait for an admission slot."""
+        """Authenticate; enter the gate (the tenant's bounds, before a byte of the body is read); read the whole
+        body, each chunk charged at its parsed estimate as it arrives; parse it; and only then wait for a slot."""
         tenant = self._tenant(request)
         if self._keys and tenant is None:
             return self._refused(endpoint, 401, "missing or unknown API key", "authentication_error", close=True)
-        cfg = self.config
+        cfg, gate = self.config, self._gate
         try:
-            raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s)
-        except BadRequest as exc:  # 408, 413, 415 or a broken body: the connection cannot carry another request
-            if exc.status == 408:
-                self.metrics.client_timeouts.labels("body").inc()
-            return self._refused(endpoint, exc.status, str(exc), close=True)
+            ticket = gate.enter(tenant or "", request.content_length)
+        except BadRequest as exc:  # the body stays unread: the connection cannot carry another request
+            return self._refused(endpoint, exc.status, str(exc), exc.kind, close=True)
         try:
-            body = parse_body(raw, endpoint)
-        except BadRequest as exc:
-            return self._refused(endpoint, exc.status, str(exc))
-        async with self._admitted:
+            try:
+                raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s,
+                                      lambda chunk: gate.take_chunk(ticket, chunk))
+                body = parse_body(raw, endpoint)
+            except BadRequest as exc:  # 408, 413, 415, 429 or a broken body: refused, nothing parsed or kept
+                if exc.status == 408:
+                    self.metrics.client_timeouts.labels("body").inc()
+                return self._refused(endpoint, exc.status, str(exc), exc.kind, close=exc.status != 400)
+            del raw  # only the parsed body lives on
+            gate.parsed(ticket)
+            try:
+                await gate.serve(ticket)
+            except BadRequest as exc:  # shutting down
+                return self._refused(endpoint, exc.status, str(exc), exc.kind)
             return await self._turn(request, endpoint, body, tenant)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(endpoint, "client_gone").inc()  # its turn is cancelled with it
+            raise
+        finally:
+            gate.leave(ticket)
 
     async def _turn(self, request: web.Request, endpoint: str, body: dict[str, Any],
                     tenant: str | None) -> web.StreamResponse:
@@ -211,12 +243,20 @@ class Router(Answers, Endpoints):
             return self._refused(endpoint, 400, "conversation_id must be a printable string of 1..256 characters")
         if body.pop("kv_transfer_params", None) is not None:
             self.metrics.client_params_dropped.inc()
+        if self._salt_key is not None:  # the tenant's own prefix-cache entries (a client's salt folded in)
+            client_salt = body.get("cache_salt")
+            if client_salt is not None and (not isinstance(client_salt, str) or not client_salt):
+                return self._refused(endpoint, 400, "cache_salt must be a non-empty string")
+            per = conversation if self.config.salt_mode == "conversation" else None
+            body["cache_salt"] = cache_salt(self._salt_key, tenant or "", per, client_salt)
         turn = Turn(endpoint, f"kvshuttle-{self._id_prefix}-{next(self._ids)}", body.get("stream") is True,
                     tenant, conversation)
+        if endpoint == CHAT and turn.key is not None and self._keep_answers:
+            turn.capture = [] if turn.stream else None
+            turn.messages = body.get("messages") if self.config.decode_local_max_tokens > 0 else None
         warm = self._prewarm if endpoint == CHAT and turn.key is not None else None
         if warm is not None:
             warm.arrived(turn.key)
-            turn.capture = [] if turn.stream else None
         entry = await self._lookup(turn)
         headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
         local = self._decode_local(turn, endpoint, body, entry)
@@ -249,7 +289,7 @@ class Router(Answers, Endpoints):
                       entry: StoredHandle | None) -> Backend | None:
         """The decode holding the conversation, when this turn is short enough to compute there
         (``decode_local_max_tokens``) and that decode is up; else None (the turn goes through a prefill)."""
-        if entry is None or decode_local(self.config.decode_local_max_tokens, endpoint, body) is None:
+        if entry is None or decode_local(self.config.decode_local_max_tokens, endpoint, body, entry.history) is None:
             return None
         backend = self.decode.find(entry.decode)
         return backend if backend is not None and backend.healthy else None
@@ -262,7 +302,8 @@ class Router(Answers, Endpoints):
         if answer is None or backend is None or turn.key is None:
             warm.count("skipped")
             return
-        warm.start(turn.key, backend, body, answer, {k: v for k, v in headers.items() if k != "X-Request-Id"})
+        warm.start(turn.key, backend, body, answer, {k: v for k, v in headers.items() if k != "X-Request-Id"},
+                   turn.tenant or "")
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` after the turn, off its path; kept referenced until done (closed with the router)."""
@@ -282,6 +323,10 @@ class Router(Answers, Endpoints):
                  close: bool = False) -> web.Response:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         response = _error(status, message, kind)
+        if status in (413, 429, 503) and kind != "invalid_request_error":
+            self.metrics.refusals.labels(kind).inc()
+        if status in (429, 503):
+            response.headers["Retry-After"] = "1"
         if close:  # the rest of the body is not read: the connection cannot carry another request
             response.force_close()
         return response
@@ -326,72 +371,6 @@ class Router(Answers, Endpoints):
         self.metrics.lookup[found.status].inc()
         return found.entry
 
-    async def _prefill(self, turn: Turn, body: dict[str, Any], entry: StoredHandle | None,
-                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, web.Response | None]:
-        """Prefill's returned params (None: the decode computes the prompt), or a client error to return."""
-        assert self._session is not None
-        handle = entry.params if entry is not None else None
-        request = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
-        request["stream"], request["max_tokens"] = False, 1
-        if "max_completion_tokens" in request:
-            request["max_completion_tokens"] = 1
-        tried: set[str] = set()
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
-        # what the next attempt sends: a failed prefill may have consumed a use-once handle
-        offer = handle if self.config.reverse_reads else None
-        if handle is not None and offer is None and self.config.reads == "use_once":
-            self._background(self._release_quietly(entry))  # type: ignore[arg-type]  # taken, never to be read
-        for attempt in range(1 + self.config.retries):
-            backend = self._choose(self.prefill, turn, entry.prefill if entry is not None else None, tried)
-            if backend is None:
-                break
-            tried.add(backend.name)
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
-            request["kv_transfer_params"] = self._granted(prefill_params(offer))
-            started = time.perf_counter()
-            backend.in_flight += 1
-            try:
-                async with self._session.post(backend.url + turn.endpoint, json=request, headers=headers,
-                                              timeout=timeout) as resp:
-                    status, data = resp.status, await resp.read()
-            except BACKEND_FAILURES as exc:
-                self._backend_failed(self.prefill, backend, exc)
-                if not isinstance(exc, aiohttp.ClientConnectorError):  # a refused connection sent nothing:
-                    offer = None  # the handle goes to the next prefill (failover that still reads back)
-                continue
-            finally:
-                backend.in_flight -= 1
-                turn.waited += time.perf_counter() - started
-            offer = None
-            if 400 <= status < 500:  # the client's request is wrong; the decode would refuse it too
-                return None, web.Response(body=client_error_body(data, status), status=status,
-                                          content_type="application/json")
-            if status != 200:
-                self.metrics.backend_errors.labels("prefill", backend.name).inc()
-                continue
-            turn.prefill = backend.name
-            try:
-                params = json.loads(data).get("kv_transfer_params")
-            except (ValueError, AttributeError, RecursionError):
-                params = None
-            if not isinstance(params, dict) or not params:
-                params = None
-            # kvshuttle's prefill says how many tokens it read back (none: its own cache held them, or too few
-            # to pay); vLLM's NixlConnector does not, so a handle sent counts as a reverse read there
-            read = params.get("kvshuttle_read_tokens") if params is not None else None
-            sent = bool(request["kv_transfer_params"].get("remote_block_ids"))
-            if type(read) is int and 0 <= read < 1 << 31:
-                self.metrics.read_tokens.inc(read)
-                if sent and not read and entry is not None and self.config.reads == "use_once":
-                    # its own cache held the history (or too little was left to pay): the handle was not used,
-                    # and the decode's next handle supersedes it; the decode need not hold it to its TTL
-                    self._background(self._release_quietly(entry))
-                sent = sent and read > 0
-            turn.placement = "reverse_read" if sent else "recompute"
-            return params, None
-        return None, None  # no prefill answered: the decode computes the whole prompt (recompute)
-
     def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
         self.metrics.backend_errors.labels(pool.role, backend.name).inc()
         pool.mark(backend, False, f"{type(exc).__name__}: {scrub(str(exc))}")
@@ -428,8 +407,8 @@ class Router(Answers, Endpoints):
             started = time.perf_counter()
             backend.in_flight += 1
             try:
-                resp = await self._session.post(backend.url + turn.endpoint, json=request, headers=headers,
-                                                timeout=timeout)
+                resp = await self._session.post(backend.url + turn.endpoint, json=request,
+                                                headers=backend.headers(headers), timeout=timeout)
             except BACKEND_FAILURES as exc:
                 backend.in_flight -= 1
                 turn.waited += time.perf_counter() - started

@@ -22,6 +22,7 @@ from .errors import RouterConfigError
 MASK = "***"
 REDIS_URL_ENV = "KVSHUTTLE_REDIS_URL"
 BACKEND_API_KEY_ENV = "KVSHUTTLE_BACKEND_API_KEY"
+ADMIN_KEY_ENV = "KVSHUTTLE_ROUTER_ADMIN_KEY"
 SECRET_QUERY_KEYS = ("password", "pass", "passwd", "pwd", "token", "secret", "auth")
 LOGGERS = ("kvshuttle.router", "aiohttp.server", "aiohttp.web", "aiohttp.access", "aiohttp.client", "redis")
 

@@ -6,7 +6,9 @@ through untouched unless one names ``kv_transfer_params``, in which case that fi
 event's JSON object and kept (:attr:`EventFilter.params`) for the router to validate and store, exactly as a
 non-streamed answer's. An event naming it that is not a JSON object is dropped whole: a client never sees a
 handle or a grant. The end marker (``data: [DONE]``) can be held back until the router has stored the turn's
-handle. Partial events wait for the rest (bounded by ``max_event_bytes``: past it the backend is broken).
+handle, and only when one can come: the decode was asked to publish it (``hold_done``), or the stream carried it
+(``hold_after_params``, once an event did); otherwise the end passes at once. Partial events wait for the rest
+(bounded by ``max_event_bytes``: past it the backend is broken).
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ class StreamFormatError(Exception):
 class EventFilter:
     """See the module docstring; ``feed`` returns what may go to the client now."""
 
-    __slots__ = ("_hold_done", "_max", "_pending", "dropped", "found", "held", "params")
+    __slots__ = ("_hold_done", "_hold_params", "_max", "_pending", "dropped", "found", "held", "params")
 
-    def __init__(self, hold_done: bool, max_event_bytes: int = 16 << 20) -> None:
-        self._hold_done, self._max = hold_done, max_event_bytes
+    def __init__(self, hold_done: bool, max_event_bytes: int = 16 << 20, hold_after_params: bool = False) -> None:
+        self._hold_done, self._hold_params, self._max = hold_done, hold_after_params, max_event_bytes
         self._pending = b""
         self.held = b""  # the end marker, when held back
         self.found = False  # whether some event carried kv_transfer_params
@@ -53,7 +55,7 @@ class EventFilter:
         if _MARKER in complete:
             complete = b"".join(self._clean(event) for event in _events(complete))
         out, self.held = self.held + complete, b""  # bytes after a held end marker go on, in order
-        if self._hold_done:
+        if self._hold_done or (self._hold_params and self.found):
             for done in DONE_EVENTS:
                 if out.endswith(done):
                     return self._hold(out, done)

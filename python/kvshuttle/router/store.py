@@ -3,7 +3,8 @@
 * :class:`MemoryStore` (default): one process. TTL per entry, bounded in entries and in bytes (the approximate
   serialized size of what it holds: a decode may return large params) with least-recently-used eviction, and
   a sweeper task that drops expired entries on a timer (not only when traffic touches them).
-* :class:`RedisStore`: several router replicas share conversations, and conversations survive a restart.
+* :class:`RedisStore`: several router replicas share conversations, and conversations survive a restart. A
+  tenant over its quota of conversations loses its own soonest-expiring ones (a sorted set per tenant).
   A use-once take is one MULTI/EXEC of GETDEL + ZREM (atomic: of two replicas taking at once, exactly one gets
   the handle); multi-read keeps the entry. A sorted set indexes entries by expiry: live count and sweeping
   (which counts expirations) are O(log n), shared by every replica.
@@ -16,6 +17,7 @@ store is skipped for ``backoff_s`` so a dead or blackholed Redis costs a request
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import heapq
 import itertools
 import json
@@ -50,12 +52,13 @@ class StoredHandle:
     kv_address: str | None  # that decode's side channel (release / renew), kvshuttle only
     expires_at: float  # wall clock
     prefill: str | None = None  # the prefill that served the turn (affinity: its prefix cache holds the prompt)
+    history: str | None = None  # what the decode holds, as the router saw it (placement.history_mark)
 
     def to_json(self) -> str:
         # The fields by hand: dataclasses.asdict deep-copies params first (a measurable share of a turn's CPU).
         return _dumps({"tenant": self.tenant, "conversation": self.conversation, "params": self.params,
                        "decode": self.decode, "kv_address": self.kv_address, "expires_at": self.expires_at,
-                       "prefill": self.prefill})
+                       "prefill": self.prefill, "history": self.history})
 
     def approx_bytes(self) -> int:
         """About what keeping this entry costs: its serialized size plus the Python objects around it."""
@@ -65,8 +68,10 @@ class StoredHandle:
     def from_json(cls, text: str | bytes) -> StoredHandle:
         data = json.loads(text)
         prefill = data.get("prefill")  # absent in entries a router before affinity stored
+        history = data.get("history")  # absent in entries a router before issue 31 stored
         return cls(str(data["tenant"]), str(data["conversation"]), dict(data["params"]), str(data["decode"]),
-                   data["kv_address"], float(data["expires_at"]), prefill if isinstance(prefill, str) else None)
+                   data["kv_address"], float(data["expires_at"]), prefill if isinstance(prefill, str) else None,
+                   history if isinstance(history, str) else None)
 
 
 @dataclass(frozen=True)
@@ -128,15 +133,25 @@ class _Swept:
 
 class MemoryStore(_Swept):
     """In-process store; see the module docstring. ``on_expire(n)`` counts expirations, ``on_evict(n)`` entries
-    dropped at a bound (metrics). An entry larger than ``max_bytes`` on its own is not kept (an eviction)."""
+    dropped at a bound (metrics), ``on_drop(entry)`` is told of each (the router releases its retention). An
+    entry larger than ``max_bytes`` on its own is not kept (an eviction).
+
+    Per tenant, at most ``tenant_max_entries`` entries of ``tenant_max_bytes``: a tenant over its quota loses its
+    own least recently used entries, so one tenant's churn pushes out only its own conversations while the
+    quotas of the active tenants fit the store's bounds."""
 
     def __init__(self, max_entries: int = 100_000, sweep_interval_s: float = 5.0, clock: Clock = time.time,
                  on_expire: Callable[[int], None] | None = None,
-                 on_evict: Callable[[int], None] | None = None, max_bytes: int = 256 << 20) -> None:
+                 on_evict: Callable[[int], None] | None = None, max_bytes: int = 256 << 20,
+                 tenant_max_entries: int | None = None, tenant_max_bytes: int | None = None,
+                 on_drop: Callable[[StoredHandle], None] | None = None) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.tenant_max_entries = tenant_max_entries or max_entries
+        self.tenant_max_bytes = tenant_max_bytes or max_bytes
         self.sweep_interval_s, self._clock = sweep_interval_s, clock
-        self._on_expire, self._on_evict = on_expire, on_evict
+        self._on_expire, self._on_evict, self._on_drop = on_expire, on_evict, on_drop
         self._entries: OrderedDict[str, tuple[int, StoredHandle, int]] = OrderedDict()  # (version, entry, bytes)
+        self._tenants: dict[str, tuple[OrderedDict[str, None], list[int]]] = {}  # tenant -> (its keys LRU, [bytes])
         self._expiry: list[tuple[float, int, str]] = []  # (expires_at, version, key): lazily deleted heap
         self._versions = itertools.count()
         self.bytes = 0  # approximate bytes held (StoredHandle.approx_bytes of every entry)
@@ -145,7 +160,18 @@ class MemoryStore(_Swept):
         item = self._entries.pop(key, None)
         if item is not None:
             self.bytes -= item[2]
+            tenant = item[1].tenant
+            keys, size = self._tenants[tenant]
+            del keys[key]
+            size[0] -= item[2]
+            if not keys:
+                del self._tenants[tenant]
         return item
+
+    def _evict(self, key: str) -> None:
+        item = self._drop(key)
+        if item is not None and self._on_drop is not None:
+            self._on_drop(item[1])
 
     async def put(self, key: str, entry: StoredHandle) -> None:
         size = entry.approx_bytes()
@@ -159,11 +185,16 @@ class MemoryStore(_Swept):
         version = next(self._versions)
         self._entries[key] = (version, entry, size)
         self.bytes += size
+        keys, held = self._tenants.setdefault(entry.tenant, (OrderedDict(), [0]))
+        keys[key] = None
+        held[0] += size
         heapq.heappush(self._expiry, (entry.expires_at, version, key))
         evicted = 0
+        while len(keys) > self.tenant_max_entries or held[0] > self.tenant_max_bytes:  # the tenant's own first
+            self._evict(next(iter(keys)))
+            evicted += 1
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            _, (_, _, dropped) = self._entries.popitem(last=False)  # least recently used; its heap item dies lazily
-            self.bytes -= dropped
+            self._evict(next(iter(self._entries)))  # least recently used; its heap item dies lazily
             evicted += 1
         if evicted and self._on_evict:
             self._on_evict(evicted)
@@ -185,6 +216,7 @@ class MemoryStore(_Swept):
         result = checked(item[1] if item else None, tenant, conversation, self._clock())
         if result.status == "hit":
             self._entries.move_to_end(key)
+            self._tenants[tenant][0].move_to_end(key)
         elif result.status == "expired":
             self._drop(key)
             if self._on_expire:
@@ -227,7 +259,8 @@ class RedisStore(_Swept):
 
     def __init__(self, url: str, prefix: str = "kvshuttle:router:", sweep_interval_s: float = 5.0,
                  timeout_s: float = 2.0, backoff_s: float = 1.0, clock: Clock = time.time,
-                 on_expire: Callable[[int], None] | None = None) -> None:
+                 on_expire: Callable[[int], None] | None = None, tenant_max_entries: int | None = None,
+                 on_drop: Callable[[StoredHandle], None] | None = None) -> None:
         import redis.asyncio as aioredis
 
         self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -236,6 +269,7 @@ class RedisStore(_Swept):
         self.prefix, self.sweep_interval_s = prefix, sweep_interval_s
         self.backoff_s, self._clock, self._on_expire = backoff_s, clock, on_expire
         self._index = prefix + "expiry"
+        self.tenant_max_entries, self._on_drop = tenant_max_entries, on_drop
         self._down_until = 0.0
         self._failures = 0
 
@@ -263,30 +297,54 @@ class RedisStore(_Swept):
         self._failures = 0
         return result
 
+    def _tenant_index(self, tenant: str) -> str:
+        """A sorted set per tenant (its keys by expiry), for its quota."""
+        return self.prefix + "t:" + hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
     async def put(self, key: str, entry: StoredHandle) -> None:
-        ttl_ms = max(1, int((entry.expires_at - self._clock() + self.GRACE_S) * 1000))
+        now = self._clock()
+        ttl_ms = max(1, int((entry.expires_at - now + self.GRACE_S) * 1000))
+        tenant_index = self._tenant_index(entry.tenant)
 
         async def call() -> Any:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.set(self._key(key), entry.to_json(), px=ttl_ms)
                 pipe.zadd(self._index, {key: entry.expires_at})
+                pipe.zadd(tenant_index, {key: entry.expires_at})
+                pipe.zremrangebyscore(tenant_index, "-inf", now)
+                pipe.zcard(tenant_index)
+                pipe.pexpire(tenant_index, ttl_ms)
                 return await pipe.execute()
 
-        await self._run("put", call)
+        count = (await self._run("put", call))[4]
+        if self.tenant_max_entries is not None and count > self.tenant_max_entries:
+            await self._trim(tenant_index, count - self.tenant_max_entries)
 
-    async def _getdel(self, key: str) -> tuple[bytes | None, bool]:
+    async def _trim(self, tenant_index: str, excess: int) -> None:
+        """Drop a tenant's ``excess`` soonest-expiring entries (its quota; every replica trims alike)."""
+        popped = await self._run("trim", lambda: self._redis.zpopmin(tenant_index, excess))
+        for member, _ in popped:
+            key = member.decode() if isinstance(member, bytes) else str(member)
+            raw, _ = await self._getdel(key)
+            entry = self._decode(raw)
+            if entry is not None and self._on_drop is not None:
+                self._on_drop(entry)
+
+    async def _getdel(self, key: str, tenant: str | None = None) -> tuple[bytes | None, bool]:
         """The value (removed) and whether it was still indexed (not yet counted by a sweep)."""
         async def call() -> Any:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.getdel(self._key(key))
                 pipe.zrem(self._index, key)
+                if tenant is not None:
+                    pipe.zrem(self._tenant_index(tenant), key)
                 return await pipe.execute()
 
-        value, indexed = await self._run("take", call)
+        value, indexed, *_ = await self._run("take", call)
         return value, bool(indexed)
 
     async def take(self, key: str, tenant: str, conversation: str) -> Lookup:
-        raw, indexed = await self._getdel(key)
+        raw, indexed = await self._getdel(key, tenant)
         result = checked(self._decode(raw), tenant, conversation, self._clock())
         if result.status == "foreign" and raw is not None:  # not ours to consume: put it back as it was
             await self.put(key, StoredHandle.from_json(raw))
@@ -299,7 +357,10 @@ class RedisStore(_Swept):
         return checked(self._decode(raw), tenant, conversation, self._clock())
 
     async def delete(self, key: str) -> StoredHandle | None:
-        return self._decode((await self._getdel(key))[0])
+        entry = self._decode((await self._getdel(key))[0])
+        if entry is not None:
+            await self._run("delete", lambda: self._redis.zrem(self._tenant_index(entry.tenant), key))
+        return entry
 
     async def live(self) -> int:
         now = self._clock()

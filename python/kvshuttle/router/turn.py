@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .handles import store_key
 from .placement import Placement
@@ -28,7 +29,8 @@ class Turn:
     placement: Placement = "recompute"
     home: str | None = None  # the prefill whose cache holds the conversation (kept across decode-local turns)
     answer: str | None = None  # the answer's text, kept for a pre-warm
-    capture: list[bytes] | None = None  # a streamed answer's bytes, kept for a pre-warm
+    capture: list[bytes] | None = None  # a streamed answer's bytes, kept for its text (``answer``)
+    messages: list[Any] | None = None  # a chat turn's prompt messages, for its history mark (placement.py)
 
     @property
     def key(self) -> str | None:
