@@ -151,3 +151,28 @@ def test_many_stuck_layered_loads_hold_the_step_once_not_once_each() -> None:
     assert [job.request_id for job, _ in settled] == [f"r{k}" for k in range(6)]
     assert all(result.invalid_block_ids == (k,) for k, (_, result) in enumerate(settled))
     assert took < 0.3 + SETTLE_GRACE_S + 1.0, took  # one deadline and one grace, not six graces
+
+
+def test_a_failed_load_whose_read_nixl_could_not_cancel_holds_the_step_until_the_read_is_over() -> None:
+    """vLLM recomputes a failed synchronous load's blocks in its next step: a READ still in flight must be over
+    first (``ReuseResult.settled``; tests/test_quarantine.py shows NIXL lands such READs after a release)."""
+    import threading
+    from dataclasses import replace
+
+    from kvshuttle.integrations.vllm.layered import load_failure
+    from kvshuttle.reuse import Failure
+    from kvshuttle.transfer import Settlement
+
+    loads = LayeredLoads({"l0": 0}, 1)
+    decision = Decision("fetch", Reason.FETCH, "t", fetch_tokens=BS, reused_tokens=BS, fetch_blocks=range(1),
+                        remote_block_ids=(0,), block_size=BS)
+    job = LoadJob("r", None, decision, (3,), BS, time.monotonic(), layered=True)
+    in_flight = Settlement()
+    future = Future[ReuseResult]()
+    future.set_result(replace(load_failure(job, Failure.TRANSFER_TIMEOUT, "stalled"), settled=in_flight))
+    loads.add(job, future, LayerProgress(1), time.monotonic() + 0.1)
+    threading.Timer(0.8, in_flight.settle).start()
+    t0 = time.monotonic()
+    ((_, result),) = loads.settle()
+    assert time.monotonic() - t0 >= 0.7 and in_flight.done() and result.invalid_block_ids == (3,)
+    assert loads.quarantine_wait_s >= 0.7

@@ -16,8 +16,10 @@ set this side reports in ``ShuttleWorkerMeta``).
 
 A layer's wait never outlasts the load's deadline (``kvshuttle_layered_timeout_s`` from the scheduling
 decision, within ``kvshuttle_load_timeout_s``), and the step's loads are settled together: however many owners
-are slow or dead, the step waits at most the latest deadline plus ``SETTLE_GRACE_S``, and a read still pending
-then is cancelled by its own deadline.
+are slow, refuse or are dead, the step waits at most the latest deadline plus ``SETTLE_GRACE_S``. One exception,
+for correctness: a failed load whose READ NIXL could not cancel (an owner that stopped serving in the middle of a
+posted read, alive but stalled) holds the step until the read is over (``_quarantined``), since vLLM recomputes
+the blocks in the next step and a late write would land in them.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .metadata import LoadJob
 
 log = logging.getLogger("vllm.kvshuttle")
 SETTLE_GRACE_S = 1.0  # past its deadline a load's thread is cancelling its reads: this long to hear back
+QUARANTINE_WARN_S = 5.0  # while a failed load's read may still write, a warning this often
 
 
 def load_failure(job: LoadJob, failure: Failure, why: str) -> ReuseResult:
@@ -64,6 +67,7 @@ class LayeredLoads:
         self.num_layers = num_layers
         self._loads: list[_Load] = []
         self.waited_s = 0.0  # how long forward passes waited for layers (the worker takes it into its stats)
+        self.quarantine_wait_s = 0.0  # how long steps waited for failed loads' reads that NIXL could not cancel
         self._unknown: set[str] = set()
 
     def __len__(self) -> int:
@@ -96,10 +100,39 @@ class LayeredLoads:
 
     def settle(self) -> list[tuple[LoadJob, ReuseResult]]:
         """End the step's loads: each one's job and result, a failure for every load that must recompute. However
-        many loads are stuck, this waits at most until the latest deadline plus one grace period, together."""
+        many loads are stuck, this waits at most until the latest deadline plus one grace period, together; then,
+        for a failed load only, until nothing of its read can still write its blocks (``_quarantined``)."""
         loads, self._loads = self._loads, []
         settle_by = max((load.deadline for load in loads), default=0.0) + SETTLE_GRACE_S
-        return [(load.job, self._outcome(load, settle_by)) for load in loads]
+        settled = [(load.job, self._outcome(load, settle_by)) for load in loads]
+        for load, (_, result) in zip(loads, settled, strict=True):
+            if result.action != "fetched":
+                self._quarantined(load)
+        return settled
+
+    def _quarantined(self, load: _Load) -> None:
+        """vLLM recomputes a failed synchronous load's blocks in its very next step, so the step does not end
+        while a READ of the load that NIXL could not cancel may still land in them. NIXL has no cancel that stops
+        a READ already asked of the owner (measured: the release reports success, removing the remote agent
+        reports the read failed, and the bytes still land when the owner's data path resumes), so this waits for
+        the quarantine (``ReuseResult.settled``): at once for a refused claim, a dead owner or a read never
+        posted; for an owner that stopped serving mid-read, until its data path resumes or the transport gives
+        up. Correctness over latency: a late write would be wrong KV, in the prefix cache for everyone."""
+        started = time.monotonic()
+        while True:
+            try:
+                result = load.future.result(timeout=QUARANTINE_WARN_S)
+            except FutureTimeout:
+                log.warning("kvshuttle: the step still waits for request %s's load thread (%.0f s)",
+                            load.job.request_id, time.monotonic() - started)
+                continue
+            except BaseException:  # cancelled before it ran (shutdown): nothing was read
+                return
+            if result.settled.wait(QUARANTINE_WARN_S):
+                break
+            log.warning("kvshuttle: the step waits for request %s's read, which NIXL could not cancel, to end before "
+                        "vLLM recomputes its blocks (%.0f s)", load.job.request_id, time.monotonic() - started)
+        self.quarantine_wait_s += time.monotonic() - started
 
     def _outcome(self, load: _Load, settle_by: float) -> ReuseResult:
         log.info("kvshuttle: request %s: the forward pass waited %.1f ms for its %d layers' KV", load.job.request_id,

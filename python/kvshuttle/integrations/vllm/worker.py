@@ -178,7 +178,10 @@ class ShuttleWorker:
                     self._landed.add(job.request_id)
             self._stats.data["layered.loads"] = self._stats.data.get("layered.loads", 0) + len(settled)
             self._stats.data["layered.wait_s"] = self._stats.data.get("layered.wait_s", 0.0) + self.layered.waited_s
-            self.layered.waited_s = 0.0
+            if self.layered.quarantine_wait_s:
+                self._stats.data["layered.quarantine_wait_s"] = (self._stats.data.get("layered.quarantine_wait_s", 0.0)
+                                                                 + self.layered.quarantine_wait_s)
+            self.layered.waited_s = self.layered.quarantine_wait_s = 0.0
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished sending, finished receiving) since the last call. Never raises."""
