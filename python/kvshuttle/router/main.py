@@ -256,6 +256,9 @@ async def serve(config: RouterConfig, host: str, port: int, admin: tuple[str, in
         await admin_runner.setup()
         await web.TCPSite(admin_runner, admin[0], admin[1]).start()
         print(f"kvshuttle router: admin on http://{admin[0]}:{admin_runner.addresses[0][1]}", flush=True)
+    if config.api_keys and not config.admin_key and admin is None:
+        print("kvshuttle router: warning: with --api-keys, /health and /metrics answer 401 to everyone: give "
+              "--admin-key-file or --admin-port for probes and scrapers", file=sys.stderr, flush=True)
     print(f"kvshuttle router: listening on http://{host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
