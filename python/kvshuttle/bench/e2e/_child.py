@@ -13,6 +13,8 @@ Messages are pickled dicts over ``multiprocessing.connection.Connection``:
   ``interval_s`` seconds (``None`` stops it);
 * ``{"op": "kv_usage"}``: run one filler step (pending frees land, the gauges refresh), then return vLLM's
   ``kv_cache_usage_perc`` and kvshuttle's ``retained_blocks`` gauges;
+* ``{"op": "script", "steps": [...]}``: several requests interleaved (see ``_Server.script``);
+* ``{"op": "metrics"}``: vLLM's counters and gauges by name (``num_preemptions``, ``kv_cache_usage_perc``, ...);
 * ``{"op": "reset_prefix_cache"}``, ``{"op": "ping"}``, ``{"op": "close"}``.
 
 Errors come back as ``{"ok": False, "error": str, "traceback": str}``; the child keeps serving.
@@ -90,35 +92,46 @@ class _Server:
         time (``first_token_ts - queued_ts``, both ``time.monotonic`` in the EngineCore process, so without
         the front end's IPC); ``engine_queue_s`` is queued-to-scheduled.
         """
-        from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
+        out, latency = self._run(msg["prompt_token_ids"], _sampling(msg), msg.get("cache_salt"))
+        return _result(out, latency)
 
-        extra = {"kv_transfer_params": msg["kv_transfer_params"]} if msg.get("kv_transfer_params") else None
-        params = SamplingParams(temperature=0.0, max_tokens=int(msg["max_tokens"]), logprobs=msg.get("logprobs"),
-                                ignore_eos=bool(msg.get("ignore_eos", True)), extra_args=extra)
-        out, latency = self._run(msg["prompt_token_ids"], params, msg.get("cache_salt"))
-        comp = out.outputs[0]
-        first_logprobs: dict[int, float] | None = None
-        if comp.logprobs:
-            first_logprobs = {int(tok): float(lp.logprob) for tok, lp in comp.logprobs[0].items()}
-        m = out.metrics
-        result: dict[str, Any] = {
-            "request_id": out.request_id,
-            "token_ids": [int(t) for t in comp.token_ids],
-            "finish_reason": comp.finish_reason,
-            "kv_transfer_params": _plain(out.kv_transfer_params),
-            "num_prompt_tokens": len(out.prompt_token_ids or []),
-            "num_cached_tokens": out.num_cached_tokens,
-            "first_logprobs": first_logprobs,
-            "latency_s": latency,
-            "ttft_s": None, "engine_ttft_s": None, "engine_queue_s": None,
-        }
-        if m is not None:
-            result["ttft_s"] = float(m.first_token_latency) or None
-            if m.first_token_ts and m.queued_ts:
-                result["engine_ttft_s"] = float(m.first_token_ts - m.queued_ts)
-            if m.scheduled_ts and m.queued_ts:
-                result["engine_queue_s"] = float(m.scheduled_ts - m.queued_ts)
-        return result
+    def script(self, steps: list[dict[str, Any]]) -> dict[str, Any]:
+        """Several requests at once, as a client would interleave them: ``steps`` run in order, each one of
+        ``{"do": "add", "id": str, <generate's fields>}`` (queued, not waited for), ``{"do": "sleep", "s": float}``
+        (EngineCore keeps stepping on its own meanwhile), ``{"do": "abort", "id": str}`` and ``{"do": "wait", "id":
+        str}`` (until that request finished). Then every request is waited for; returns ``{id: result}`` (an
+        aborted request's result has ``finish_reason`` "abort")."""
+        from vllm.inputs import TokensPrompt  # type: ignore[import-not-found, unused-ignore]
+
+        engine = self.llm.llm_engine
+        started: dict[str, float] = {}
+        done: dict[str, Any] = {}
+
+        def pump(until: str | None) -> None:
+            while (until is None or until not in done) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = _result(out, time.perf_counter() - started[out.request_id])
+
+        for step in steps:
+            action = step["do"]
+            if action == "add":
+                prompt = TokensPrompt(prompt_token_ids=list(step["prompt_token_ids"]))
+                if step.get("cache_salt"):
+                    prompt["cache_salt"] = step["cache_salt"]
+                started[step["id"]] = time.perf_counter()
+                engine.add_request(step["id"], prompt, _sampling(step))
+            elif action == "sleep":
+                time.sleep(float(step["s"]))
+            elif action == "abort":  # an aborted request has no final output: its result says so
+                engine.abort_request([step["id"]])
+                done.setdefault(step["id"], {"request_id": step["id"], "finish_reason": "abort", "token_ids": []})
+            elif action == "wait":
+                pump(step["id"])
+            else:
+                raise ValueError(f"unknown script step {action!r}")
+        pump(None)
+        return done
 
     def warmup(self, n: int) -> float:
         """Run an ``n``-token prompt and a short decode asking for logprobs, then reset the prefix cache.
@@ -168,10 +181,18 @@ class _Server:
             try:
                 if op == "generate":
                     reply: dict[str, Any] = {"ok": True, "result": self.generate(msg)}
+                elif op == "script":
+                    reply = {"ok": True, "result": self.script(msg["steps"])}
                 elif op == "keep_stepping":
                     interval = msg.get("interval_s")
                     self.keep_stepping_s = float(interval) if interval else None
                     reply = {"ok": True, "result": {"fillers": self.fillers}}
+                elif op == "metrics":  # vLLM's counters and gauges by name (the first of each, engine 0)
+                    found: dict[str, float] = {}
+                    for metric in self.llm.get_metrics():
+                        if isinstance(getattr(metric, "value", None), (int, float)):
+                            found.setdefault(metric.name.removeprefix("vllm:"), float(metric.value))
+                    reply = {"ok": True, "result": found}
                 elif op == "kv_usage":
                     reply = {"ok": True, "result": self.kv_usage()}
                 elif op == "reset_prefix_cache":
@@ -186,6 +207,42 @@ class _Server:
             except Exception as exc:  # reported to the parent, which decides
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             conn.send(reply)
+
+
+def _sampling(msg: dict[str, Any]) -> Any:
+    """Greedy sampling of ``max_tokens`` tokens, with the message's ``kv_transfer_params`` and ``logprobs``."""
+    from vllm import SamplingParams  # type: ignore[import-not-found, unused-ignore]
+
+    extra = {"kv_transfer_params": msg["kv_transfer_params"]} if msg.get("kv_transfer_params") else None
+    return SamplingParams(temperature=0.0, max_tokens=int(msg["max_tokens"]), logprobs=msg.get("logprobs"),
+                          ignore_eos=bool(msg.get("ignore_eos", True)), extra_args=extra)
+
+
+def _result(out: Any, latency: float) -> dict[str, Any]:
+    """One finished request's output as the parent reads it (see ``_Server.generate``)."""
+    comp = out.outputs[0]
+    first_logprobs: dict[int, float] | None = None
+    if comp.logprobs:
+        first_logprobs = {int(tok): float(lp.logprob) for tok, lp in comp.logprobs[0].items()}
+    m = out.metrics
+    result: dict[str, Any] = {
+        "request_id": out.request_id,
+        "token_ids": [int(t) for t in comp.token_ids],
+        "finish_reason": comp.finish_reason,
+        "kv_transfer_params": _plain(out.kv_transfer_params),
+        "num_prompt_tokens": len(out.prompt_token_ids or []),
+        "num_cached_tokens": out.num_cached_tokens,
+        "first_logprobs": first_logprobs,
+        "latency_s": latency,
+        "ttft_s": None, "engine_ttft_s": None, "engine_queue_s": None,
+    }
+    if m is not None:
+        result["ttft_s"] = float(m.first_token_latency) or None
+        if m.first_token_ts and m.queued_ts:
+            result["engine_ttft_s"] = float(m.first_token_ts - m.queued_ts)
+        if m.scheduled_ts and m.queued_ts:
+            result["engine_queue_s"] = float(m.scheduled_ts - m.queued_ts)
+    return result
 
 
 def _watch_parent(parent: int, period_s: float = 1.0) -> None:

@@ -115,12 +115,14 @@ def shuttle_transfer_config(*, bidirectional: bool = True, **extra: Any) -> dict
 def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str, Any], log_dir: Path, *,
             name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0,
             decode_block_size: int | None = None, prefill_tp: int = 1, decode_tp: int = 1,
-            prefill_prefix_cache: bool = False) -> tuple[VllmEngine, VllmEngine]:
+            prefill_prefix_cache: bool = False,
+            prefill_llm_kwargs: dict[str, Any] | None = None) -> tuple[VllmEngine, VllmEngine]:
     """A prefill (prefix cache off, core 0) and a decode engine (prefix cache on, core 1), not started yet
     (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600).
     ``decode_block_size``: the decode's block size when it differs from prefill's 32. ``prefill_tp`` /
     ``decode_tp``: tensor-parallel sizes (vLLM's multiprocess executor; an engine's ranks share its core).
-    ``prefill_prefix_cache``: the production setting (reverse reads then start where the local hit ends)."""
+    ``prefill_prefix_cache``: the production setting (reverse reads then start where the local hit ends).
+    ``prefill_llm_kwargs``: more ``LLM(...)`` arguments for the prefill (scheduler and cache settings)."""
     engines = []
     for role, config, cores, tp in (("prefill", prefill_config, (0,), prefill_tp),
                                     ("decode", decode_config, (1 % (os.cpu_count() or 1),), decode_tp)):
@@ -132,7 +134,8 @@ def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str,
             block_size=(decode_block_size or 32) if role == "decode" else 32,
             side_channel_port=port, cpu_cores=cores, warmup_tokens=warmup_tokens, startup_timeout_s=420.0,
             request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log"),
-            llm_kwargs=tensor_parallel(tp)), start=False))
+            llm_kwargs={**tensor_parallel(tp), **((prefill_llm_kwargs or {}) if role == "prefill" else {})}),
+            start=False))
     return engines[0], engines[1]
 
 
@@ -332,6 +335,16 @@ class VllmEngine:
         result: dict[str, Any] = self._call(msg, timeout_s or self.spec.request_timeout_s, what="generate")
         return result
 
+    def script(self, steps: list[dict[str, Any]], timeout_s: float | None = None) -> dict[str, dict[str, Any]]:
+        """Several requests interleaved as a client would: ``steps`` in order, each ``{"do": "add", "id": ...,
+        "prompt_token_ids": ..., "max_tokens": ..., "kv_transfer_params": ..., "cache_salt": ...}`` (queued, not
+        waited for), ``{"do": "sleep", "s": ...}``, ``{"do": "abort", "id": ...}`` or ``{"do": "wait", "id": ...}``;
+        then every request is waited for. Returns ``{id: generate's result}`` (``finish_reason`` "abort" for an
+        aborted one)."""
+        result: dict[str, dict[str, Any]] = self._call({"op": "script", "steps": steps},
+                                                       timeout_s or self.spec.request_timeout_s, what="script")
+        return result
+
     def keep_stepping(self, interval_s: float | None) -> None:
         """While idle, run a 1-token filler request every ``interval_s`` seconds (``None``: stop)."""
         self._call({"op": "keep_stepping", "interval_s": interval_s}, 30.0, what="keep_stepping")
@@ -340,6 +353,11 @@ class VllmEngine:
         """After one filler step: ``kv_cache_usage_perc`` (vLLM's, 1 - free/total blocks) and
         ``kvshuttle_retained_blocks`` (the connector's gauge; None without kvshuttle)."""
         result: dict[str, float | None] = self._call({"op": "kv_usage"}, 60.0, what="kv_usage")
+        return result
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's counters and gauges by name, without the ``vllm:`` prefix (e.g. ``num_preemptions``)."""
+        result: dict[str, float] = self._call({"op": "metrics"}, 60.0, what="metrics")
         return result
 
     def reset_prefix_cache(self) -> bool:
