@@ -174,6 +174,24 @@ def test_a_client_that_goes_away_cancels_its_turn(loop: LoopThread) -> None:
         d.close()
 
 
+def test_the_handle_a_cancelled_turn_took_is_released(loop: LoopThread) -> None:
+    """Turn 2 took the conversation's use-once handle, then its client hung up: the decode is told to let the
+    history go rather than hold it to its TTL for a turn that will never come."""
+    d = deploy(loop)
+    try:
+        chat = Conversation(d.client(), "gone", "hi")
+        chat.turn(stream=False)
+        d.prefills[0].delay_s = 1.5
+        chat.messages.append({"role": "user", "content": "more"})
+        body = json.dumps({"model": "fake", "messages": chat.messages, "conversation_id": "gone"}).encode()
+        sock = raw_connection(d.port, head(CHAT, len(body)), body)
+        assert wait_until(lambda: d.prefills[0].stats.requests == 2)
+        sock.close()
+        assert wait_until(lambda: len(d.decodes[0].stats.released) == 1, 10.0)
+    finally:
+        d.close()
+
+
 def test_shutdown_refuses_waiting_turns_at_once(loop: LoopThread) -> None:
     d = deploy(loop, max_in_flight=1)
     try:

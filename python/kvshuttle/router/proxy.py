@@ -258,22 +258,27 @@ class Router(Answers, Endpoints, Prefills):
         if warm is not None:
             warm.arrived(turn.key)
         entry = await self._lookup(turn)
-        headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
-        local = self._decode_local(turn, endpoint, body, entry)
-        if local is not None:  # computed on the decode that holds the conversation: no prefill, no transfer
-            turn.placement, turn.home = "decode_local", entry.prefill if entry is not None else None
-            if warm is not None:
-                warm.placed(turn.key, None)
-            response = await self._decode(turn, request, body, None, headers, entry, prefer=local)
+        try:
+            headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
+            local = self._decode_local(turn, endpoint, body, entry)
+            if local is not None:  # computed on the decode that holds the conversation: no prefill, no transfer
+                turn.placement, turn.home = "decode_local", entry.prefill if entry is not None else None
+                if warm is not None:
+                    warm.placed(turn.key, None)
+                response = await self._decode(turn, request, body, None, headers, entry, prefer=local)
+                if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
+                    self._background(self._release_quietly(entry))  # the new turn's handle holds the history now
+            else:
+                p_params, failed = await self._prefill(turn, body, entry, headers)
+                if failed is not None:
+                    return failed
+                if warm is not None:
+                    warm.placed(turn.key, turn.prefill)
+                response = await self._decode(turn, request, body, p_params, headers, entry)
+        except asyncio.CancelledError:  # the client went away: the handle this turn took is of use to no one now
             if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
-                self._background(self._release_quietly(entry))  # the new turn's handle holds the history now
-        else:
-            p_params, failed = await self._prefill(turn, body, entry, headers)
-            if failed is not None:
-                return failed
-            if warm is not None:
-                warm.placed(turn.key, turn.prefill)
-            response = await self._decode(turn, request, body, p_params, headers, entry)
+                self._background(self._release_quietly(entry))
+            raise
         if warm is not None and turn.learned == "stored":
             self._start_prewarm(warm, turn, body, headers)
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
