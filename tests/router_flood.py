@@ -35,8 +35,12 @@ B_TURNS = 30
 STARTUP_S = 60.0
 
 
-def flood_body(size: int = FLOOD_BYTES) -> bytes:
-    """A chat body of about ``size`` bytes whose messages are all ``{}`` (the densest JSON objects there are)."""
+def flood_body(size: int = FLOOD_BYTES, shape: str = "objects") -> bytes:
+    """A chat body of about ``size`` bytes whose messages are all ``{}`` (the densest JSON objects there are), or
+    (``shape="text"``) one message of plain text, which the router serves within the tenant's bounds."""
+    if shape == "text":
+        return json.dumps({"model": "fake", "messages": [{"role": "user", "content": "x" * (size - 80)}],
+                           "max_tokens": 1}).encode()
     count = (size - 64) // 3
     return b'{"model":"fake","messages":[' + b",".join([b"{}"] * count) + b'],"max_tokens":1}'
 
@@ -126,7 +130,7 @@ def flood_process(port: int, backoff_s: float = 1.0) -> Iterator[dict[str, int]]
 
 
 def _flood_main(port: int, backoff_s: float) -> None:
-    flood = Flood(port, backoff_s).start()
+    flood = Flood(port, backoff_s, body=flood_body(shape=os.environ.get("FLOOD_SHAPE", "objects"))).start()
     sys.stdin.read()  # until the parent closes it
     flood.stop()
     print(json.dumps(flood.statuses), flush=True)
