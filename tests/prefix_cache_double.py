@@ -3,7 +3,7 @@
 It keeps what the guard reads and changes: each request's block table, vLLM's count of the request's cached
 blocks (``num_cached_block``), and which blocks a prefix lookup would find. ``allocate`` plays vLLM's
 ``allocate_slots`` for a request scheduled with a synchronous load: allocate, then cache every full block up to the
-tokens computed after this step. ``tests/e2e/test_vllm_failed_loads.py`` runs the real one.
+tokens computed after this step. ``tests/e2e/test_vllm_layered.py`` runs the real one.
 """
 
 from __future__ import annotations

@@ -270,11 +270,11 @@ def test_requests_whose_tokens_do_not_name_their_kv_neither_read_nor_keep() -> N
     for the wrong KV, so they recompute and are not retained; none of them raises."""
     decode, s = scheduler(), scheduler()
     history = words(300)
-    params = granted(dict(decode_turn(decode, history), do_remote_decode=True))
+    params = dict(decode_turn(decode, history), do_remote_decode=True)
     cases: list[dict[str, Any]] = [{"prompt_token_ids": None, "all_token_ids": [0] * 300, "prompt_embeds": object()},
                                    {"mm_features": [object()]}, {"lora_request": object()}]
     for i, extra in enumerate(cases):
-        req = request(f"u{i}", [*history, 1], dict(params), output=[2])
+        req = request(f"u{i}", [*history, 1], granted(dict(params)), output=[2])  # a grant is good for one request
         vars(req).update(extra)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
         assert s.request_finished(req, [list(range(10))]) == (False, None)

@@ -38,6 +38,7 @@ from .metadata import LoadJob
 log = logging.getLogger("vllm.kvshuttle")
 SETTLE_GRACE_S = 1.0  # past its deadline a load's thread is cancelling its reads: this long to hear back
 QUARANTINE_WARN_S = 5.0  # while a failed load's read may still write, a warning this often
+LOAD_THREAD_GRACE_S = 5.0  # past the settle point a failed load's thread has this long to return its read's state
 
 
 def load_failure(job: LoadJob, failure: Failure, why: str) -> ReuseResult:
@@ -105,31 +106,32 @@ class LayeredLoads:
         loads, self._loads = self._loads, []
         settle_by = max((load.deadline for load in loads), default=0.0) + SETTLE_GRACE_S
         settled = [(load.job, self._outcome(load, settle_by)) for load in loads]
+        threads_by = settle_by + LOAD_THREAD_GRACE_S
         for load, (_, result) in zip(loads, settled, strict=True):
             if result.action != "fetched":
-                self._quarantined(load)
+                self._quarantined(load, threads_by)
         return settled
 
-    def _quarantined(self, load: _Load) -> None:
+    def _quarantined(self, load: _Load, threads_by: float) -> None:
         """vLLM recomputes a failed synchronous load's blocks in its very next step, so the step does not end
         while a READ of the load that NIXL could not cancel may still land in them. NIXL has no cancel that stops
         a READ already asked of the owner (measured: the release reports success, removing the remote agent
         reports the read failed, and the bytes still land when the owner's data path resumes), so this waits for
         the quarantine (``ReuseResult.settled``): at once for a refused claim, a dead owner or a read never
         posted; for an owner that stopped serving mid-read, until its data path resumes or the transport gives
-        up. Correctness over latency: a late write would be wrong KV, in the prefix cache for everyone."""
+        up. Correctness over latency: a late write would be wrong KV, in the prefix cache for everyone. (A load
+        thread that has not even returned by ``threads_by``, every wait of its fetch being bounded, is a bug: the
+        step goes on, logged.)"""
         started = time.monotonic()
-        while True:
-            try:
-                result = load.future.result(timeout=QUARANTINE_WARN_S)
-            except FutureTimeout:
-                log.warning("kvshuttle: the step still waits for request %s's load thread (%.0f s)",
-                            load.job.request_id, time.monotonic() - started)
-                continue
-            except BaseException:  # cancelled before it ran (shutdown): nothing was read
-                return
-            if result.settled.wait(QUARANTINE_WARN_S):
-                break
+        try:
+            result = load.future.result(timeout=max(threads_by - started, 0.0))
+        except FutureTimeout:
+            log.error("kvshuttle: request %s's load thread did not return %.0f s past its deadline; the step goes on",
+                      load.job.request_id, LOAD_THREAD_GRACE_S + SETTLE_GRACE_S)
+            return
+        except BaseException:  # cancelled before it ran (shutdown): nothing was read
+            return
+        while not result.settled.wait(QUARANTINE_WARN_S):
             log.warning("kvshuttle: the step waits for request %s's read, which NIXL could not cancel, to end before "
                         "vLLM recomputes its blocks (%.0f s)", load.job.request_id, time.monotonic() - started)
         self.quarantine_wait_s += time.monotonic() - started
