@@ -177,3 +177,46 @@ def test_a_failed_load_whose_read_nixl_could_not_cancel_holds_the_step_until_the
     ((_, result),) = loads.settle()
     assert time.monotonic() - t0 >= 0.7 and in_flight.done() and result.invalid_block_ids == (3,)
     assert loads.quarantine_wait_s >= 0.7
+
+
+def _layered_turn(s: ShuttleScheduler, cache: PrefixCacheDouble, rid: str) -> tuple[SimpleNamespace, list[int], int]:
+    """A decode's finished turn, then the next turn's prefill request admitted with a layered load decision."""
+    history = words(200, seed=len(rid))
+    finished = request(f"d-{rid}", history[:-8], granted({"remote_engine_id": "p"}), output=history[-8:])
+    keep, params = s.request_finished(finished, [list(range(100, 113))])
+    assert keep and params is not None
+    req = request(rid, [*history[:199], *words(40, seed=9)], dict(params), status="RUNNING")
+    tokens, asynchronous = s.get_num_new_matched_tokens(req, 0)
+    table = list(range(200, 216))
+    cache.allocate(rid, table, len(req.prompt_token_ids))
+    return req, table, tokens if not asynchronous else -tokens
+
+
+def test_a_layered_load_vllm_waits_for_without_a_plan_is_held_too() -> None:
+    """update_state_after_alloc failed (a bug): fail_load reports the load failed, and its blocks, cached at
+    allocation, are held out like any other layered load's."""
+    s, cache = _scheduler(), PrefixCacheDouble(BS)
+    s.bind_prefix_cache(cache)
+    req, table, tokens = _layered_turn(s, cache, "t3")
+    assert tokens > 0
+    s.fail_load(req, [table], tokens, "a bug")
+    assert cache.cached == set() and s.build_connector_meta().loads[0].failure == "a bug"
+    s.update_connector_output(None, set(table[:12]))
+    assert cache.cached == set() and cache.counts["t3"] == 0
+
+
+def test_a_prefix_cache_that_refuses_the_guard_turns_layered_loads_off() -> None:
+    class Refusing(PrefixCacheDouble):
+        def uncache(self, block_ids: Any) -> None:
+            raise RuntimeError("not the vLLM compat knows")
+
+    s, cache = _scheduler(), Refusing(BS)
+    s.bind_prefix_cache(cache)
+    req, table, tokens = _layered_turn(s, cache, "t4")
+    with pytest.raises(RuntimeError):
+        s.update_state_after_alloc(req, [table], tokens)
+    assert s.sync_loads is None and s.counts["sync_loads_broken"] == 1
+    s.fail_load(req, [table], tokens, "the hook raised")  # what the facade does next
+    assert s.build_connector_meta().loads[0].failure == "the hook raised"
+    _, _, later = _layered_turn(s, cache, "t5")
+    assert later < 0  # read asynchronously from now on

@@ -204,6 +204,8 @@ class ShuttleScheduler:
         job = LoadJob(request.request_id, handle, decision, local, len(request.prompt_token_ids), time.monotonic(),
                       layered=layered)
         self._record(request.request_id, decision)
+        if layered:  # vLLM cached the blocks just now: out until the load landed (fail_load reports it if this fails)
+            self._hold(request, first, local)
         # commit last (nothing below can fail): a load is queued exactly when vLLM waits for it
         del self._decisions[request.request_id]
         request.kv_transfer_params[CONSUMED] = True  # the same dict survives preemption: never load twice
@@ -211,8 +213,19 @@ class ShuttleScheduler:
         self._loads.append(job)
         if not layered:  # vLLM waits for finished_recving only for an asynchronous load
             self._awaiting.add(request.request_id)
-        elif self.sync_loads is not None:  # vLLM cached the blocks just now: out until the load landed
-            self.sync_loads.hold(request, first, local)
+
+    def _hold(self, request: Any, first: int, blocks: tuple[int, ...]) -> None:
+        """Keep a synchronous load's blocks out of vLLM's prefix cache until it landed (``sync_loads.py``). If vLLM's
+        cache is not what ``compat`` expects, no later load is layered."""
+        if self.sync_loads is None:
+            return
+        try:
+            self.sync_loads.hold(request, first, blocks)
+        except Exception:
+            self.sync_loads = None
+            self._warn_once("sync_loads_broken", "kvshuttle: vLLM's prefix cache refused the layered-load guard; "
+                                                 "every later load is read asynchronously")
+            raise
 
     def fail_load(self, request: Any, blocks: Any, num_external_tokens: int, why: str) -> None:
         """vLLM waits for ``num_external_tokens`` of ``request`` that will not come (a bug on this side): queue a
@@ -237,6 +250,8 @@ class ShuttleScheduler:
         if not layered:
             self._awaiting.add(request_id)
         self._count("load_failed")
+        if layered and self.sync_loads is not None and request_id not in self.sync_loads:
+            self._hold(request, first, local)  # its blocks were cached at allocation: out until recomputed
 
     def build_connector_meta(self) -> ShuttleMetadata:
         meta = ShuttleMetadata(self._loads, self._retains, self._publications, self._releases)

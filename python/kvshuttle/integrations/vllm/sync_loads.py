@@ -74,6 +74,9 @@ class SyncLoadGuard:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
     def hold(self, request: Any, first: int, blocks: Iterable[int]) -> None:
         """vLLM has just allocated (and cached) ``request``'s blocks for a synchronous load into ``blocks``, which
         start at table index ``first``: take them, and every later block of the request, out of the cache."""
