@@ -270,6 +270,16 @@ def test_parallel_layout_takes_tensor_parallelism_only() -> None:
             parallel_layout(vllm_config(tensor_parallel_size=2, **{name: 2}))
 
 
+def test_parallel_layout_counts_the_mla_latent_as_one_replicated_head() -> None:
+    """vLLM's total KV heads of a DeepSeek model is its config's num_key_value_heads (8 here), but every rank's
+    cache holds the one latent: the reader must plan with 1 head (else its shard check refuses the cache)."""
+    mla = vllm_config(tensor_parallel_size=2)
+    mla.model_config.use_mla = True
+    assert parallel_layout(mla) == Parallel(2, 1)
+    mla.model_config.use_mla = False
+    assert parallel_layout(mla) == Parallel(2, 8)
+
+
 class _Base:
     def __init__(self, *args: Any) -> None:  # stands in for vLLM's KVConnectorBase_V1 constructor
         pass

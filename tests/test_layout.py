@@ -197,7 +197,7 @@ def test_staging_nbytes(rng):
     ("flash_attn", (2, 4, 4, 8)),
     ("flash_attn", (2, 4, 4, 2, 8, 1)),
     ("flashinfer", (4, 2, 4, 8)),
-    ("mla", (4, 4, 1, 8)),
+    ("mla", (4, 4, 1, 8, 1)),
     ("mla", (4, 8)),
 ])
 def test_wrong_ndim(kind, shape):

@@ -85,7 +85,8 @@ def test_from_vllm_torch_and_shared_layers(rng):
 
 @pytest.mark.parametrize(("args", "fragment"), [
     (("TRITON_ATTN",), "unknown vLLM attention backend"),
-    (("mla",), "unknown vLLM attention backend"),
+    (("AMX_MLA",), "unknown vLLM attention backend"),
+    (("flash_attn_diffkv",), "unknown vLLM attention backend"),
     ((3,), "unknown vLLM attention backend"),
 ])
 def test_from_vllm_bad_backend(rng, args, fragment):
@@ -104,8 +105,8 @@ def test_from_vllm_needs_the_dict(rng):
 
 def test_backend_names():
     assert VLLM_BACKENDS == {"CPU_ATTN": CacheKind.VLLM_CPU_ATTN, "FLASH_ATTN": CacheKind.VLLM_FLASH_ATTN,
-                             "FLASHINFER": CacheKind.VLLM_FLASHINFER}
-    assert all(k.is_vllm_view and k.planes == 2 for k in VLLM_BACKENDS.values())
+                             "FLASHINFER": CacheKind.VLLM_FLASHINFER, "CPU_MLA": CacheKind.MLA}
+    assert all(k.is_vllm_view and k.planes == 2 for k in VLLM_BACKENDS.values() if k is not CacheKind.MLA)
 
 
 # ---------------------------------------------------------------------------------------------- errors

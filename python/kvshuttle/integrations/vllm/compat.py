@@ -117,8 +117,9 @@ class Parallel:
 
 
 def parallel_layout(vllm_config: Any) -> Parallel:
-    """The engine's tensor-parallel size and the model's total KV heads; ValueError for what kvshuttle cannot
-    serve: pipeline, context or decode-context parallelism (a rank would then hold only some layers or tokens)."""
+    """The engine's tensor-parallel size and the model's total KV heads (1 for MLA); ValueError for what kvshuttle
+    cannot serve: pipeline, context or decode-context parallelism (a rank would then hold only some layers or
+    tokens)."""
     parallel = vllm_config.parallel_config
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     others = {name: int(getattr(parallel, name, 1) or 1) for name in
@@ -129,7 +130,10 @@ def parallel_layout(vllm_config: Any) -> Parallel:
                          "hold every layer and token of its KV heads")
     model_config = vllm_config.model_config
     layers = getattr(model_config, "get_num_layers", None)
-    return Parallel(tp, int(model_config.get_total_num_kv_heads()), int(layers(parallel)) if layers else 0)
+    # MLA: one latent per token, replicated on every rank (vLLM's own get_num_kv_heads says 1), while the total
+    # is the config's num_key_value_heads, a head count of the up-projected K and V that no cache holds
+    heads = 1 if getattr(model_config, "use_mla", False) else int(model_config.get_total_num_kv_heads())
+    return Parallel(tp, heads, int(layers(parallel)) if layers else 0)
 
 
 def worker_tp_rank() -> int:
