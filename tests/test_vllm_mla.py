@@ -159,3 +159,25 @@ def test_a_worker_serves_a_cpu_mla_cache(rng):
             worker.register_kv_caches(views.kv_caches, "CPU_MLA")
     finally:
         worker.shutdown()
+
+
+def test_several_attention_backends_are_refused_by_name(monkeypatch):
+    """A model whose layers use several attention backends (sparse MLA with its indexer, hybrids) is refused at
+    start-up with a named error, not a bare RuntimeError; one backend is named as it is."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from kvshuttle.integrations.vllm.compat import attention_backend
+
+    utils = ModuleType("vllm.distributed.kv_transfer.kv_connector.utils")
+    backends: list[Any] = []
+    utils.get_current_attn_backends = lambda config: backends  # type: ignore[attr-defined]
+    parents = ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector")
+    for name in parents:
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or ModuleType(name))
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    backends[:] = [SimpleNamespace(get_name=lambda: "CPU_MLA")]
+    assert attention_backend(None) == "CPU_MLA"
+    backends.append(SimpleNamespace(get_name=lambda: "DEEPSEEK_V32_INDEXER"))
+    with pytest.raises(LayoutError, match=r"several attention backends \['CPU_MLA', 'DEEPSEEK_V32_INDEXER'\]"):
+        attention_backend(None)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from ...errors import LayoutError
+
 log = logging.getLogger("kvshuttle.vllm")
 
 try:
@@ -87,7 +89,8 @@ def model_name(vllm_config: Any) -> str:
 
 
 def attention_backend(vllm_config: Any) -> str:
-    """The attention backend's name (e.g. "CPU_ATTN", "FLASH_ATTN"), which decides how K and V sit in a page."""
+    """The attention backend's name (e.g. "CPU_ATTN", "CPU_MLA"), which decides how K and V sit in a page; LayoutError
+    (at start-up: the worker registers its cache) when the layers use several."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 
     backends = get_current_attn_backends(vllm_config)
@@ -95,7 +98,9 @@ def attention_backend(vllm_config: Any) -> str:
         return "CPU_ATTN" if on_cpu() else "FLASH_ATTN"
     names = {b.get_name() for b in backends}
     if len(names) > 1:
-        raise RuntimeError(f"kvshuttle: layers use several attention backends {sorted(names)}; one is supported")
+        raise LayoutError(f"the model's layers use several attention backends {sorted(names)} (a hybrid or sparse-"
+                          "attention model: e.g. DeepSeek V3.2's indexer); kvshuttle moves one kind of cache, so "
+                          "serve this model without kvshuttle")
     return str(names.pop())
 
 
