@@ -40,3 +40,15 @@ def test_no_statement_hides_after_the_raising_call() -> None:
                     and getattr(item.context_expr.func, "attr", "") == "raises" for item in node.items):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test files by basename (no packages here): a module in tests/ and one in tests/e2e/ with the
+    same name stop the whole run at collection."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        if path.name in seen and path.name not in ("__init__.py", "conftest.py"):
+            clashes.append(f"{seen[path.name]} and {path}")
+        seen.setdefault(path.name, path)
+    assert not clashes, clashes
