@@ -17,6 +17,7 @@ BENCHES = {
     "e2e": "kvshuttle.bench.e2e.bench",
     "router": "kvshuttle.bench.router",
     "placement": "kvshuttle.bench.e2e.placement",
+    "retokenize": "kvshuttle.bench.retokenize",
 }
 
 
