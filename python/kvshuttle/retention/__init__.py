@@ -5,7 +5,9 @@
 It fixes what vLLM's decode lacks: handles can be read many times until expiry (or once, vLLM-compatible), the
 TTL is renewed on heartbeat, a reader must claim a handle first so decode refuses expired, stale (blocks
 reused) or tampered handles instead of serving them, and retained memory is bounded by a budget with LRU
-eviction. Expiry costs O(log n) per handle expired and O(1) when nothing is due.
+eviction. Its :class:`RetentionTerms` (``terms.py``) hold every retention default and decide when a retention
+ends; ``eviction.py`` holds the replaceable eviction order. Expiry costs O(log n) per handle expired and O(1)
+when nothing is due.
 
 Stdlib only (no torch, CUDA or native module): the ledger is bookkeeping; moving bytes is ``transfer``'s job.
 """
@@ -29,28 +31,46 @@ from .errors import (
     TamperedHandleError,
     UnknownHandleError,
 )
-from .ledger import DEFAULT_MAX_TTL_S, DEFAULT_TTL_S, MODES, Mode, RetentionLedger
+from .eviction import EVICTION_POLICIES, EvictionPolicy, LeastRecentlyUsed
+from .ledger import MODES, Mode, RetentionLedger
 from .records import Claim
+from .terms import (
+    DEFAULT_BUDGET_FRACTION,
+    DEFAULT_MAX_TTL_S,
+    DEFAULT_READ_MODE,
+    DEFAULT_TTL_S,
+    READ_MODES,
+    ReadMode,
+    RetentionTerms,
+)
 
 __all__ = [
+    "DEFAULT_BUDGET_FRACTION",
     "DEFAULT_MAX_TTL_S",
+    "DEFAULT_READ_MODE",
     "DEFAULT_TTL_S",
+    "EVICTION_POLICIES",
     "MODES",
+    "READ_MODES",
     "BudgetExceededError",
     "Claim",
     "ClaimLimitError",
     "ClaimLostError",
+    "EvictionPolicy",
     "HandleConsumedError",
     "HandleEvictedError",
     "HandleExpiredError",
     "HandleInUseError",
     "HandleReleasedError",
     "HandleUnavailableError",
+    "LeastRecentlyUsed",
     "Mode",
+    "ReadMode",
     "RetentionArgumentError",
     "RetentionError",
     "RetentionLedger",
     "RetentionRefusedError",
+    "RetentionTerms",
     "StaleHandleError",
     "TamperedHandleError",
     "UnknownHandleError",

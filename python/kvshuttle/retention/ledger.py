@@ -9,12 +9,16 @@ Decisions (see also the package docstring):
   recorded block (more valid tokens: an append into a partial last block; paged caches only append until a
   block is freed). Anything else means the block was reused behind the ledger's back: the ledger treats it as
   :meth:`RetentionLedger.block_freed` (its holders become stale and are refused) before retaining anew.
-* **TTL edge.** A handle lives while ``now < expiry`` on the monotonic clock; at ``now == expiry`` it has
-  expired (exclusive end), both for :meth:`sweep` and for lazy checks on access. ``renew`` never shortens.
+* **Terms.** The TTL, the longest TTL, the read mode, the budget and the eviction order are the ledger's
+  :class:`~kvshuttle.retention.terms.RetentionTerms`; the ledger asks them when a handle ends and keeps only
+  the bookkeeping. **TTL edge:** a handle lives while ``now < expiry`` on the monotonic clock; at ``now ==
+  expiry`` it has expired (exclusive end), both for :meth:`sweep` and for lazy checks on access. ``renew``
+  never shortens.
 * **Budget.** Counted in distinct retained blocks (``budget_bytes // bytes_per_block`` when given in bytes).
   ``retain`` first checks that evicting every handle without a read in flight would make room; if not it
-  refuses (nothing evicted) with :class:`BudgetExceededError`; otherwise it evicts least recently touched
-  handles (retain, renew, claim and claim end touch) until it fits. The budget is never exceeded.
+  refuses (nothing evicted) with :class:`BudgetExceededError`; otherwise it evicts the victims of the terms'
+  eviction policy (least recently touched by default: retain, renew and claim end touch) until it fits. The
+  budget is never exceeded.
 * **Generations.** A global epoch grows by one each time any block goes back to the allocator (through
   ``on_free`` or reported by ``block_freed``); the block's generation becomes that epoch. A handle's generation
   is the epoch when it was issued, so it is stale exactly when one of its blocks has a larger generation.
@@ -37,7 +41,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from .._values import is_int
 from ..errors import shown
@@ -64,11 +68,10 @@ from .errors import (
     TamperedHandleError,
 )
 from .records import Claim, _Block, _equal, _extends, _OpenClaim, _remember, _Retained
+from .terms import READ_MODES, ReadMode, RetentionTerms
 
-Mode = Literal["multi_read", "use_once"]
-MODES: tuple[Mode, ...] = ("multi_read", "use_once")
-DEFAULT_TTL_S = 480.0
-DEFAULT_MAX_TTL_S = 3600.0  # what a renewal may ask for at most: an hour of idle conversation
+Mode = ReadMode  # the ledger's older names for the read mode
+MODES = READ_MODES
 R = TypeVar("R")
 # End reasons of a handle; each is also a counter in metrics().
 END_REASONS = ("expired", "evicted", "released", "consumed", "stale")
@@ -82,42 +85,45 @@ class RetentionLedger:
     request_id)`` says a handle let go of its request's blocks (ended, and no read in flight): for an owner that
     frees per request, as vLLM's scheduler does (a block shared by two requests is freed by vLLM's reference
     count, not here). Without it freed
-    blocks are only counted (tests, benchmarks). ``budget_blocks`` may be changed at run time; the next retain
-    evicts down to it. ``tombstones``: how many ended handle and claim ids are remembered to name a refusal.
+    blocks are only counted (tests, benchmarks). ``terms`` (default: :class:`RetentionTerms`'s defaults);
+    ``ttl_s``, ``mode``, ``max_ttl_s`` and ``budget_blocks``, when given, override them. ``budget_blocks`` may be
+    changed at run time; the next retain evicts down to it. ``tombstones``: how many ended handle and claim ids
+    are remembered to name a refusal.
 
     A block's owner contract: retain hands the ledger the request's hold on its blocks (a block already retained
     is shared, not held twice); ``on_free`` gives it back; ``block_freed`` reports one the owner took back itself.
     """
 
-    def __init__(self, engine_id: str, host: str, port: int, *, ttl_s: float = DEFAULT_TTL_S,
-                 mode: Mode = "multi_read", budget_blocks: int | None = None, budget_bytes: int | None = None,
-                 bytes_per_block: int = 0, claim_timeout_s: float = 30.0,
+    def __init__(self, engine_id: str, host: str, port: int, *, terms: RetentionTerms | None = None,
+                 ttl_s: float | None = None, mode: Mode | None = None, budget_blocks: int | None = None,
+                 budget_bytes: int | None = None, bytes_per_block: int = 0, claim_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  on_free: Callable[[list[int]], object] | None = None,
                  on_release: Callable[[str], object] | None = None, tombstones: int = 4096,
-                 max_ttl_s: float = DEFAULT_MAX_TTL_S, max_claims_per_reader: int = 256) -> None:
+                 max_ttl_s: float | None = None, max_claims_per_reader: int = 256) -> None:
         if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
             raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
             raise RetentionArgumentError(f"port {shown(port)} is not a TCP port (1..65535): pass the side channel's "
                                          "port")
-        if not (isinstance(mode, str) and mode in MODES):
-            raise RetentionArgumentError(f"mode {shown(mode)}: use 'multi_read' or 'use_once'")
+        if terms is not None and not isinstance(terms, RetentionTerms):
+            raise RetentionArgumentError(f"terms must be a RetentionTerms, got {type(terms).__name__}")
+        self.terms = (terms or RetentionTerms()).overridden(ttl_s=ttl_s, read_mode=mode, max_ttl_s=max_ttl_s,
+                                                            budget_blocks=budget_blocks)
         check_callable("clock", clock)
         check_callable("wall_clock", wall_clock)
         check_callable("on_free", on_free, optional=True)
         check_callable("on_release", on_release, optional=True)
-        self._ttl = check_positive("ttl_s", ttl_s)
-        self._max_ttl = max(check_positive("max_ttl_s", max_ttl_s), self._ttl)
         self._max_claims_per_reader = check_count("max_claims_per_reader", max_claims_per_reader)
         self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
-        limits = [check_count("budget_blocks", budget_blocks)] if budget_blocks is not None else []
+        limit = self.terms.budget()  # the engine's block count is not the ledger's to know: blocks only
+        limits = [] if limit is None else [limit]
         check_count("bytes_per_block", bytes_per_block)
         if budget_bytes is not None:
             if bytes_per_block <= 0:
                 raise RetentionArgumentError("budget_bytes needs bytes_per_block > 0 (all layers' K and V of a block)")
             limits.append(check_count("budget_bytes", budget_bytes) // bytes_per_block)
-        self.engine_id, self.host, self.port, self.mode = engine_id, host, port, mode
+        self.engine_id, self.host, self.port, self.mode = engine_id, host, port, self.terms.read_mode
         self.ranks: tuple[str, ...] = ()  # owner ranks' side channels, rank 0 = host:port: named at tp_size > 1
         self.bytes_per_block = bytes_per_block
         self.budget_blocks: int | None = min(limits) if limits else None
@@ -126,7 +132,7 @@ class RetentionLedger:
 
         self._lock = threading.Lock()
         self._handles: dict[str, _Retained] = {}  # live handles
-        self._lru: OrderedDict[str, _Retained] = OrderedDict()  # live handles without reads in flight, oldest first
+        self._evictable = self.terms.eviction_policy()  # live handles without reads in flight, in eviction order
         self._blocks: dict[int, _Block] = {}
         self._gen: dict[int, int] = {}  # block -> epoch of its last return to the allocator (0: never)
         self._epoch = 0
@@ -159,15 +165,13 @@ class RetentionLedger:
         normally) or RetentionArgumentError. ``mode`` overrides the ledger's mode for this handle (a prefill's
         forward handle is use-once while decode's reverse ones are multi-read)."""
         ids, digs = check_retain(request_id, block_ids, digests, num_tokens, block_size, tp_size, conversation_id)
-        ttl = self._ttl if ttl_s is None else check_positive("ttl_s", ttl_s)
+        ttl = self.terms.lifetime(ttl_s)
         if handle_id is not None:
             check_id("handle_id", handle_id)
         if generation is not None and not (is_int(generation) and 0 <= generation < 2**63):
             raise RetentionArgumentError(f"generation must be an int in [0, 2**63), got {shown(generation)}")
-        if mode is not None and not (isinstance(mode, str) and mode in MODES):
-            raise RetentionArgumentError(f"mode {shown(mode)}: use 'multi_read' or 'use_once'")
+        once = self.terms.use_once(mode)
         issued = None if generation is None else int(generation)
-        once = (mode or self.mode) == "use_once"
         return self._call(lambda: self._retain(request_id, ids, digs, num_tokens, block_size, tp_size,
                                                conversation_id, ttl, handle_id, issued, once))
 
@@ -203,7 +207,7 @@ class RetentionLedger:
 
         def look() -> tuple[int, ...]:
             record = self._claims.get(claim_id)
-            if record is None or self._clock() >= record.claim.deadline:
+            if record is None or self.terms.expired(record.claim.deadline, self._clock()):
                 raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
             return record.claim.block_ids
 
@@ -213,7 +217,7 @@ class RetentionLedger:
         """Extend the handle to ``now + ttl_s`` (never shorten; at most ``max_ttl_s``) and touch it; returns the
         updated wire handle."""
         check_id("handle_id", handle_id)
-        ttl = self._ttl if ttl_s is None else min(check_positive("ttl_s", ttl_s), self._max_ttl)
+        ttl = self.terms.renewal(ttl_s)
         return self._call(lambda: self._renew(handle_id, ttl))
 
     def release(self, handle_id: str) -> bool:
@@ -256,7 +260,7 @@ class RetentionLedger:
             handle = self._handles.get(handle_id)
             if handle is None:
                 return None
-            if now >= handle.expiry:
+            if self.terms.expired(handle.expiry, now):
                 self._end(handle, "expired")
                 return None
             return self._wire(handle, now)
@@ -353,14 +357,13 @@ class RetentionLedger:
                            "flight; free the request's blocks normally (caller_frees) and let the next turn "
                            "recompute, or raise the budget")
                 raise BudgetExceededError(message, caller_frees=self._detach(handle))
-            while len(self._blocks) > limit:
-                _, victim = self._lru.popitem(last=False)  # never empty here: the check above counted the room
-                self._end(victim, "evicted")
+            while len(self._blocks) > limit:  # the check above counted the room: a victim is always there
+                self._end(self._handles[self._evictable.victim()], "evicted")
         # >= every generation of its blocks (staleness itself is tracked by the reused flag, so an issuer's value
         # only has to match what readers present)
         handle.generation = self._epoch if generation is None else generation
         self._handles[handle.handle_id] = handle
-        self._lru[handle.handle_id] = handle
+        self._evictable.admit(handle.handle_id)
         self._expiry.push(handle.expiry, handle)
         if conversation_id is not None:
             self._conversations.setdefault(conversation_id, set()).add(handle.handle_id)
@@ -395,7 +398,7 @@ class RetentionLedger:
         if handle.once:
             handle.readers = handle.readers or readers
         if handle.claims == 0:
-            del self._lru[handle_id]  # a handle being read is never evicted
+            self._evictable.remove(handle_id)  # a handle being read is never evicted
             self._reading.add(handle)
         handle.claims += 1
         claim = Claim(secrets.token_urlsafe(18), handle_id, handle.generation, handle.block_ids[:count],
@@ -412,7 +415,7 @@ class RetentionLedger:
         if record is None:
             raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
         handle, claim = record.handle, record.claim
-        if now >= claim.deadline:  # past its deadline the blocks were not guaranteed pinned
+        if self.terms.expired(claim.deadline, now):  # past its deadline the blocks were not guaranteed pinned
             self._counts["claim_timeouts"] += 1
             self._close_claim(record, "timed out")
             raise ClaimLostError(claim_id, "timed out")
@@ -424,7 +427,7 @@ class RetentionLedger:
         self._counts["hits"] += 1
         if handle.once and handle.ended is None:
             handle.done += 1
-            if handle.done >= handle.readers:
+            if self.terms.consumed(handle.done, handle.readers):
                 self._end(handle, "consumed")
         return claim
 
@@ -439,9 +442,8 @@ class RetentionLedger:
     def _renew(self, handle_id: str, ttl: float) -> KVHandle:
         now = self._clock()
         handle = self._live(handle_id, now, count=False)
-        handle.expiry = max(handle.expiry, now + ttl)  # the heap entry stays: re-pushed when it comes due
-        if handle_id in self._lru:
-            self._lru.move_to_end(handle_id)
+        handle.expiry = self.terms.renewed(handle.expiry, now, ttl)  # the heap entry stays: re-pushed when due
+        self._evictable.touch(handle_id)
         self._counts["renewals"] += 1
         return self._wire(handle, now)
 
@@ -462,7 +464,7 @@ class RetentionLedger:
             self._close_claim(record, "timed out")
         expired = 0
         for _, handle in self._expiry.pop_due(now):
-            if handle.expiry > now:  # renewed since it was pushed
+            if not self.terms.expired(handle.expiry, now):  # renewed since it was pushed
                 self._expiry.push(handle.expiry, handle)
             else:
                 self._end(handle, "expired", in_heap=False)
@@ -475,7 +477,7 @@ class RetentionLedger:
             reason = self._ended_handles.get(handle_id, "unknown")
             self._refuse(reason, handle_id, "" if reason != "unknown" else "never issued here, or ended long ago",
                          count=count)
-        if now >= handle.expiry:  # expiry is exclusive: at the deadline it is gone
+        if self.terms.expired(handle.expiry, now):
             self._end(handle, "expired")
             self._refuse("expired", handle_id, count=count)
         return handle
@@ -493,7 +495,7 @@ class RetentionLedger:
         """The handle can no longer be claimed; its blocks go now, or when its last read in flight ends."""
         handle.ended = reason  # before discard(): a compaction asks whether it is alive
         del self._handles[handle.handle_id]
-        self._lru.pop(handle.handle_id, None)
+        self._evictable.remove(handle.handle_id)
         if in_heap:
             self._expiry.discard()
         _remember(self._ended_handles, handle.handle_id, reason, self._tombstone_cap)
@@ -581,7 +583,7 @@ class RetentionLedger:
             return
         self._reading.discard(handle)
         if handle.ended is None:
-            self._lru[handle.handle_id] = handle  # a finished read is a touch: most recent
+            self._evictable.admit(handle.handle_id)  # a finished read is a touch
         else:
             self._draining -= 1
             self._drop_holds(handle)
