@@ -5,6 +5,7 @@ It sits above the policy and the transfer engine and uses both; nothing below im
 
 from __future__ import annotations
 
-from .read import Failure, ReuseArgumentError, ReuseReader, ReuseResult
+from .read import ReuseReader
+from .results import Failure, ReuseArgumentError, ReuseResult
 
 __all__ = ["Failure", "ReuseArgumentError", "ReuseReader", "ReuseResult"]

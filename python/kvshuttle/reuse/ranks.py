@@ -19,8 +19,8 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,10 +43,9 @@ from ..transfer import (
     TransferTelemetry,
     TransferTimeoutError,
 )
-from .read import Failure, ReuseArgumentError, ReuseResult, _failure, _left
-
-if TYPE_CHECKING:
-    from .read import ReuseReader
+from ..transfer.config import Path
+from .owners import OwnerPool
+from .results import Failure, ReuseArgumentError, ReuseResult, failed_result, failure_of, time_left
 
 log = logging.getLogger(__name__)
 
@@ -96,23 +95,36 @@ def owner_rank_address(handle: KVHandle, rank: int) -> tuple[str, str]:
                            "no rank to read a head shard from")
 
 
-def fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64],
-                 num_tokens: int, *, started: float, unknown_grace_s: float, deadline: float,
-                 progress: LayerProgress | None = None) -> ReuseResult:
-    """:meth:`ReuseReader.fetch` for every TP pair; see the module docstring. ``progress``: read layer by layer
-    and report each layer as it lands (ended once the read is confirmed, or failed)."""
-    ok = False
-    try:
-        result = _fetch_ranked(reader, decision, handle, local_ids, num_tokens, started=started,
-                               unknown_grace_s=unknown_grace_s, deadline=deadline, progress=progress)
-        ok = result.action == "fetched"
-        return result
-    finally:  # whatever happened (an exception too), whoever waits on the layers stops waiting
-        if progress is not None:
-            progress.end(ok)
+@dataclass(frozen=True)
+class RankedFetch:
+    """What one reader rank fetches with: its engine (its cache is the rank's head shard), the owners it
+    connects to, the path it prefers, its place in the TP group and how long one fetch may take."""
+
+    engine: TransferEngine
+    owners: OwnerPool
+    path: Path
+    tp_rank: int
+    tp_size: int
+    num_kv_heads: int
+    timeout_s: float
+
+    def fetch(self, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64], num_tokens: int, *,
+              started: float, unknown_grace_s: float, deadline: float,
+              progress: LayerProgress | None = None) -> ReuseResult:
+        """:meth:`ReuseReader.fetch` for every TP pair; see the module docstring. ``progress``: read layer by
+        layer and report each layer as it lands (ended once the read is confirmed, or failed)."""
+        ok = False
+        try:
+            result = _fetch_ranked(self, decision, handle, local_ids, num_tokens, started=started,
+                                   unknown_grace_s=unknown_grace_s, deadline=deadline, progress=progress)
+            ok = result.action == "fetched"
+            return result
+        finally:  # whatever happened (an exception too), whoever waits on the layers stops waiting
+            if progress is not None:
+                progress.end(ok)
 
 
-def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64],
+def _fetch_ranked(reader: RankedFetch, decision: Decision, handle: KVHandle, local_ids: npt.NDArray[np.int64],
                   num_tokens: int, *, started: float, unknown_grace_s: float, deadline: float,
                   progress: LayerProgress | None) -> ReuseResult:
     try:
@@ -122,7 +134,7 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
         # every reader rank reading an owner rank claims there: a use-once handle waits for all of them
         readers = {rank: readers_of(reader.num_kv_heads, reader.tp_size, handle.tp_size, rank) for rank in involved}
     except RankMappingError as exc:  # nothing was touched: the local hit stands, no block is invalid
-        return reader._failed(decision, started, num_tokens, Failure.RANK_MAPPING, (), str(exc))
+        return failed_result(decision, started, num_tokens, Failure.RANK_MAPPING, (), str(exc))
     invalid = tuple(local_ids.tolist())
     peers: dict[int, Peer] = {}
     tickets: dict[int, ClaimTicket] = {}  # open claims: the owner rank still pins the blocks
@@ -135,13 +147,13 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
         for rank in involved:
             host, port = addresses[rank]
             try:
-                peer = reader._peer_at(host, port)
+                peer = reader.owners.peer_at(host, port)
                 _check_shard(peer, reader.num_kv_heads, handle.tp_size, rank)
                 peers[rank] = peer
                 t0 = time.perf_counter()
-                tickets[rank] = reader._claim(peer, handle, decision.fetch_blocks.stop, deadline,
-                                              time.monotonic() + min(unknown_grace_s, reader.timeout_s),
-                                              readers=readers[rank])
+                tickets[rank] = _claim(reader.engine, peer, handle, decision.fetch_blocks.stop, deadline,
+                                      time.monotonic() + min(unknown_grace_s, reader.timeout_s),
+                                      readers=readers[rank])
                 claim_s += time.perf_counter() - t0
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
@@ -151,7 +163,7 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
         for rank in involved:
             ticket = tickets.pop(rank)  # confirming ends the claim either way: nothing left to unpin on this rank
             try:
-                reader.engine.finish_claim(peers[rank], ticket, ok=True, timeout=_left(deadline))
+                reader.engine.finish_claim(peers[rank], ticket, ok=True, timeout=time_left(deadline))
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc, confirming=True) from exc
         claim_s += time.perf_counter() - t0
@@ -160,29 +172,29 @@ def _fetch_ranked(reader: ReuseReader, decision: Decision, handle: KVHandle, loc
         settled = Settlement.of_all(t.settlement for _, t in transfers)
         opened = [(peers[rank], ticket) for rank, ticket in tickets.items()]
         if settled.done():
-            _abort_claims(reader.engine, opened, _left(deadline))
+            _abort_claims(reader.engine, opened, time_left(deadline))
         else:  # later, on a thread of its own: the reaper that settles it must not wait on an owner's answer
             settled.on_settled(lambda: threading.Thread(target=_abort_claims, args=(reader.engine, opened, None),
                                                         name="kvshuttle-claim-abort", daemon=True).start())
         error = failed.error
         failure = Failure.REUSED_MEANWHILE if failed.confirming and isinstance(error, ClaimRefusedError) \
-            else _failure(error)
+            else failure_of(error)
         gone = peers.get(failed.rank)
         if gone is not None and (failure in (Failure.PEER_LOST, Failure.PEER_UNREACHABLE)
                                  or (failure is Failure.TRANSFER_TIMEOUT and gone.watch() is not None)):
-            reader._mark_failed(gone.address, str(error))  # gone, not busy: the circuit breaker opens
+            reader.owners.mark_failed(gone.address, str(error))  # gone, not busy: the circuit breaker opens
         for rank, transfer in transfers:  # alive but its data path does not move: no new reads until it does
             if not transfer.settlement.done() and rank in peers:
-                reader.hold_off(peers[rank].address, transfer.settlement)
+                reader.owners.hold_off(peers[rank].address, transfer.settlement)
         single = handle.tp_size == reader.tp_size == 1  # one owner: its error says it all
-        result = reader._failed(decision, started, num_tokens, failure, invalid,
+        result = failed_result(decision, started, num_tokens, failure, invalid,
                                 str(error) if single else str(failed), claim_s, getattr(error, "reason", ""))
         return replace(result, settled=settled)
     return ReuseResult("fetched", decision.reason.value, decision.message, num_tokens, decision.local_tokens,
                        decision.fetch_tokens, (), decision, telemetry, claim_s, time.perf_counter() - started)
 
 
-def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray[np.int64],
+def _read_slices(reader: RankedFetch, decision: Decision, local_ids: npt.NDArray[np.int64],
                  slices: tuple[HeadSlice, ...], peers: dict[int, Peer], tickets: dict[int, ClaimTicket],
                  addresses: dict[int, tuple[str, str]], deadline: float,
                  progress: LayerProgress | None,
@@ -200,7 +212,7 @@ def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray
                     if progress is not None and whole else None
                 transfer: TransferHandle | LayeredTransfer = layered if layered is not None else reader.engine.read(
                     peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
-                    path=reader.path if whole else "packed", timeout=_left(deadline), num_heads=s.num_heads,
+                    path=reader.path if whole else "packed", timeout=time_left(deadline), num_heads=s.num_heads,
                     local_head_offset=s.reader_head_offset, remote_head_offset=s.owner_head_offset,
                     claim=tickets[s.owner_rank])
             except TransferError as exc:
@@ -211,9 +223,9 @@ def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray
             for rank, transfer in started:
                 try:
                     if isinstance(transfer, LayeredTransfer):
-                        transfer.wait_layer(layer, _left(deadline))
+                        transfer.wait_layer(layer, time_left(deadline))
                     elif layer == 0:
-                        transfer.wait(_left(deadline))
+                        transfer.wait(time_left(deadline))
                 except TransferError as exc:
                     raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
             assert progress is not None
@@ -221,10 +233,22 @@ def _read_slices(reader: ReuseReader, decision: Decision, local_ids: npt.NDArray
         telemetry: list[TransferTelemetry] = []
         for rank, transfer in started:  # (already landed when read layer by layer)
             try:
-                telemetry.append(transfer.wait(_left(deadline)))
+                telemetry.append(transfer.wait(time_left(deadline)))
             except TransferError as exc:
                 raise _RankFailed(rank, _shown_address(addresses[rank]), exc) from exc
     return _combined(telemetry)
+
+
+def _claim(engine: TransferEngine, peer: Peer, handle: KVHandle, num_blocks: int, deadline: float,
+           grace_until: float, *, readers: int = 1) -> ClaimTicket:
+    """Claim on ``peer``, retrying a refusal as unknown until ``grace_until``."""
+    while True:
+        try:
+            return engine.claim(peer, handle, num_blocks, timeout=time_left(deadline), readers=readers)
+        except ClaimRefusedError as exc:
+            if exc.reason != "UnknownHandleError" or time.monotonic() >= grace_until:
+                raise
+        time.sleep(0.005)  # the owner's ledger hears of the handle on its next engine step
 
 
 def _abort_claims(engine: TransferEngine, opened: list[tuple[Peer, ClaimTicket]], timeout: float | None) -> None:
@@ -236,14 +260,14 @@ def _abort_claims(engine: TransferEngine, opened: list[tuple[Peer, ClaimTicket]]
             log.debug("kvshuttle: could not report a failed read to %s: %s", peer.address, report)
 
 
-def _layered_read(reader: ReuseReader, peer: Peer, local_ids: npt.NDArray[np.int64], decision: Decision,
+def _layered_read(reader: RankedFetch, peer: Peer, local_ids: npt.NDArray[np.int64], decision: Decision,
                   deadline: float) -> LayeredTransfer | None:
     """A direct read posted per layer, or None where it cannot be (the packed path asked for, differing layouts,
     a block-major cache): the caller reads that slice whole."""
     if reader.path == "packed" or peer.layout_difference is not None:
         return None
     try:
-        return reader.engine.read_layers(peer, local_ids, decision.remote_block_ids, timeout=_left(deadline))
+        return reader.engine.read_layers(peer, local_ids, decision.remote_block_ids, timeout=time_left(deadline))
     except IncompatiblePeerError:  # checked before anything was posted
         return None
 
