@@ -52,6 +52,20 @@ def test_trust_and_capacity_keys() -> None:
     assert ShuttleConfig.from_extra({"kvshuttle_retention_budget_blocks": 7}).retention_budget(1000) == 7
 
 
+def test_retention_terms_come_from_one_place() -> None:
+    """The connector's retention defaults are the terms' own, and its keys make up the decode's terms."""
+    from kvshuttle.retention import RetentionTerms
+
+    defaults = ShuttleConfig.from_extra({}, model="m")
+    assert defaults.terms() == RetentionTerms() and ShuttleConfig().terms() == RetentionTerms()
+    config = ShuttleConfig.from_extra({"decoder_kv_blocks_ttl": 60, "kvshuttle_max_ttl_s": 600, "kvshuttle_reads":
+                                       "use_once", "kvshuttle_retention_budget_blocks": 9, "kvshuttle_retain": "always"})
+    assert config.terms() == RetentionTerms(ttl_s=60.0, max_ttl_s=600.0, read_mode="use_once", budget_blocks=9,
+                                            retain="always")
+    with pytest.raises(ConnectorConfigError, match="kvshuttle_reads"):
+        ShuttleConfig.from_extra({"kvshuttle_reads": "multi"})  # the router's old word is not the connector's
+
+
 def test_cost_model() -> None:
     config = ShuttleConfig.from_extra({"kvshuttle_cost_model": {
         "kv_bytes_per_token": 32768, "bandwidth_bytes_per_s": 3e9, "prefill_tokens_per_s": 500}})

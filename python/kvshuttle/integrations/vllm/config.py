@@ -13,21 +13,27 @@ from typing import Any, Literal
 from ..._values import is_int
 from ...errors import KVShuttleError, shown
 from ...policy import PolicyConfig
-from ...retention.ledger import MODES, Mode
+from ...retention.errors import RetentionArgumentError
+from ...retention.terms import (
+    DEFAULT_BUDGET_FRACTION,
+    DEFAULT_MAX_TTL_S,
+    DEFAULT_PREFILL_TTL_S,
+    DEFAULT_READ_MODE,
+    DEFAULT_RETAIN,
+    DEFAULT_TTL_S,
+    READ_MODES,
+    RETAIN,
+    ReadMode,
+    Retain,
+    RetentionTerms,
+)
 from ...transfer.config import PATHS, Path
 from ...trust import DeploymentSecret
 
-Retain = Literal["granted", "always"]
-RETAIN: tuple[Retain, ...] = ("granted", "always")
 # How a read is loaded: "async" (vLLM waits for the whole read, then schedules the suffix in a later step),
 # "layered" (the suffix is computed in the same step, layer i as soon as layer i's KV landed), or "auto"
 LoadMode = Literal["async", "layered", "auto"]
 LOAD_MODES: tuple[LoadMode, ...] = ("async", "layered", "auto")
-# Without kvshuttle_retention_budget_blocks, retention may hold at most this share of the engine's KV blocks: what
-# a decode keeps for later turns is memory its own running requests cannot use, so retention can never take more
-# than a quarter of them and the requests it serves now always keep at least 75% (the least recently used
-# retentions are evicted first to stay under it).
-DEFAULT_BUDGET_FRACTION = 0.25
 MAX_CONCURRENT_LOADS = 64  # each load is a thread of the worker process
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")  # bind addresses that listen everywhere: no address to advertise
 
@@ -42,14 +48,15 @@ class ShuttleConfig:
 
     bidirectional: bool = False  # bidirectional_kv_xfer: decode keeps finished requests' blocks for prefill
     threshold_tokens: int = 64  # kv_recompute_threshold (vLLM semantics: <= 0 means always read)
-    decode_ttl_s: float = 480.0  # decoder_kv_blocks_ttl: how long decode keeps a finished request's blocks
-    prefill_ttl_s: float = 30.0  # kv_lease_duration: how long prefill keeps a prompt's blocks for decode
+    # The retention terms (retention/terms.py has their defaults and meaning; terms() gathers them)
+    decode_ttl_s: float = DEFAULT_TTL_S  # decoder_kv_blocks_ttl: how long decode keeps a finished request's blocks
+    prefill_ttl_s: float = DEFAULT_PREFILL_TTL_S  # kv_lease_duration: how long prefill keeps a prompt for decode
     backends: tuple[str, ...] = ("UCX",)  # backends: NIXL plugins
-    reads: Mode = "multi_read"  # kvshuttle_reads: "multi_read" (a retried turn reads again) or "use_once"
+    reads: ReadMode = DEFAULT_READ_MODE  # kvshuttle_reads: "multi_read" or "use_once"
     budget_blocks: int | None = None  # kvshuttle_retention_budget_blocks: most blocks kept for later turns
     budget_fraction: float = DEFAULT_BUDGET_FRACTION  # kvshuttle_retention_budget_fraction: else this share of all
-    retain: Retain = "granted"  # kvshuttle_retain: "granted" (only with a router's kvshuttle_grant) or "always"
-    max_ttl_s: float = 3600.0  # kvshuttle_max_ttl_s: no retention (or renewal) lasts longer than this
+    retain: Retain = DEFAULT_RETAIN  # kvshuttle_retain: "granted" (only with a router's kvshuttle_grant) or "always"
+    max_ttl_s: float = DEFAULT_MAX_TTL_S  # kvshuttle_max_ttl_s: no retention (or renewal) lasts longer than this
     path: Path = "auto"  # kvshuttle_path
     host: str = "127.0.0.1"  # kvshuttle_host (or VLLM_NIXL_SIDE_CHANNEL_HOST): where the side channel listens
     advertise_host: str | None = None  # kvshuttle_advertise_host: the address written into handles (default: host)
@@ -83,11 +90,17 @@ class ShuttleConfig:
             return PolicyConfig(kind="cost", extra_key=extra, **cost)
         return PolicyConfig.from_vllm_threshold(self.threshold_tokens, extra_key=extra)
 
+    def terms(self) -> RetentionTerms:
+        """The decode's retention terms (a prefill's forward retentions are use-once for ``prefill_ttl_s``)."""
+        return RetentionTerms(ttl_s=self.decode_ttl_s, max_ttl_s=self.max_ttl_s, read_mode=self.reads,
+                              budget_blocks=self.budget_blocks, budget_fraction=self.budget_fraction,
+                              retain=self.retain)
+
     def retention_budget(self, num_blocks: int) -> int:
         """The most blocks the worker's ledger keeps, for an engine with ``num_blocks`` KV blocks."""
-        if self.budget_blocks is not None:
-            return self.budget_blocks
-        return max(1, math.floor(self.budget_fraction * num_blocks))
+        budget = self.terms().budget(num_blocks)
+        assert budget is not None  # the engine's size is known: a fraction of it at least
+        return budget
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], *, model: str = "") -> ShuttleConfig:
@@ -116,14 +129,14 @@ class ShuttleConfig:
         config = cls(
             bidirectional=_bool(extra, "bidirectional_kv_xfer", False),
             threshold_tokens=_int(extra, "kv_recompute_threshold", 64, minimum=-(2**31)),
-            decode_ttl_s=_seconds(extra, "decoder_kv_blocks_ttl", 480.0),
-            prefill_ttl_s=_seconds(extra, "kv_lease_duration", 30.0),
+            decode_ttl_s=_seconds(extra, "decoder_kv_blocks_ttl", DEFAULT_TTL_S),
+            prefill_ttl_s=_seconds(extra, "kv_lease_duration", DEFAULT_PREFILL_TTL_S),
             backends=_backends(extra.get("backends", ["UCX"])),
-            reads=_choice(extra, "kvshuttle_reads", "multi_read", MODES),
+            reads=_choice(extra, "kvshuttle_reads", DEFAULT_READ_MODE, READ_MODES),
             budget_blocks=None if budget is None else _int(extra, "kvshuttle_retention_budget_blocks", 0, minimum=1),
             budget_fraction=_fraction(extra, "kvshuttle_retention_budget_fraction", DEFAULT_BUDGET_FRACTION),
-            retain=_choice(extra, "kvshuttle_retain", "granted", RETAIN),
-            max_ttl_s=_seconds(extra, "kvshuttle_max_ttl_s", 3600.0),
+            retain=_choice(extra, "kvshuttle_retain", DEFAULT_RETAIN, RETAIN),
+            max_ttl_s=_seconds(extra, "kvshuttle_max_ttl_s", DEFAULT_MAX_TTL_S),
             path=_choice(extra, "kvshuttle_path", "auto", PATHS),
             host=_host(extra.get("kvshuttle_host") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "127.0.0.1",
                        "kvshuttle_host", wildcard=True),
@@ -145,6 +158,10 @@ class ShuttleConfig:
             config.policy()
         except KVShuttleError as exc:
             raise ConnectorConfigError(f"kvshuttle_cost_model: {exc}") from exc
+        try:
+            config.terms()
+        except RetentionArgumentError as exc:  # the keys were checked one by one: a term the checks above miss
+            raise ConnectorConfigError(f"retention terms: {exc}") from exc
         if config.port > 65535:
             raise ConnectorConfigError(f"kvshuttle_port must be a TCP port (0..65535), got {config.port}")
         if config.max_concurrent_loads > MAX_CONCURRENT_LOADS:
