@@ -254,7 +254,8 @@ def test_build_connector_worker_meta_is_guarded() -> None:
 # --------------------------------------------------------------------------------- start-up: the layout
 def vllm_config(extra: dict[str, Any] | None = None, /, **parallel: int) -> SimpleNamespace:
     return SimpleNamespace(parallel_config=SimpleNamespace(**parallel),
-                           model_config=SimpleNamespace(model="m", get_total_num_kv_heads=lambda: 8),
+                           model_config=SimpleNamespace(model="m", get_total_num_kv_heads=lambda: 8,
+                                                        dtype="torch.bfloat16"),
                            kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, engine_id="eng"),
                            cache_config=SimpleNamespace(block_size=BS))
 

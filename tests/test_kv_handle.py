@@ -26,6 +26,17 @@ def test_round_trip_through_json() -> None:
     assert KVHandle.from_kv_transfer_params(params, None) == original
 
 
+def test_cache_dtype_and_read_mode_travel() -> None:
+    """What the blocks' bytes mean and how the retention may be read come with the handle: a reader refuses another
+    dtype without connecting, and a router follows the decode's read mode instead of being configured to match."""
+    original = KVHandle(**{**handle().__dict__, "cache_dtype": "fp8_e4m3", "read_mode": "use_once"})
+    params = json.loads(json.dumps(original.to_kv_transfer_params()))
+    assert (params["kvshuttle_cache_dtype"], params["kvshuttle_reads"]) == ("fp8_e4m3", "use_once")
+    parsed = KVHandle.from_kv_transfer_params(params, None)
+    assert (parsed.cache_dtype, parsed.read_mode) == ("fp8_e4m3", "use_once")
+    assert handle().read_mode == "multi_read" and handle().cache_dtype == ""
+
+
 def test_vllm_field_names_carry_the_same_meaning() -> None:
     params = handle().to_kv_transfer_params()
     assert params["remote_block_ids"] == list(range(100, 105))
@@ -55,6 +66,12 @@ def test_empty_handle_round_trips() -> None:
     ("kvshuttle_digest_size", 15),
     ("kvshuttle_handle_id", ""),
     ("kvshuttle_block_size", 0),
+    ("kvshuttle_cache_dtype", "fp8 e4m3"),  # a dtype name has no spaces
+    ("kvshuttle_cache_dtype", "x" * 33),
+    ("kvshuttle_cache_dtype", 8),
+    ("kvshuttle_reads", "multi"),  # the router's old word is not a handle's
+    ("kvshuttle_reads", ""),
+    ("kvshuttle_version", 3),  # before the cache dtype and read mode travelled
 ])
 def test_malformed_params_are_named_errors(field: str, value: Any) -> None:
     params = handle().to_kv_transfer_params()
@@ -63,7 +80,8 @@ def test_malformed_params_are_named_errors(field: str, value: Any) -> None:
         KVHandle.from_kv_transfer_params(params, None)
 
 
-@pytest.mark.parametrize("missing", ["remote_block_ids", "remote_engine_id", "kvshuttle_digests", "kvshuttle_version"])
+@pytest.mark.parametrize("missing", ["remote_block_ids", "remote_engine_id", "kvshuttle_digests", "kvshuttle_version",
+                                     "kvshuttle_cache_dtype", "kvshuttle_reads"])
 def test_missing_fields_are_named_errors(missing: str) -> None:
     params = handle().to_kv_transfer_params()
     del params[missing]
@@ -207,7 +225,7 @@ def test_signed_handle_verifies_after_a_json_round_trip() -> None:
     ("remote_request_id", "req-2"), ("remote_block_ids", [100, 101, 102, 103, 199]), ("remote_num_tokens", 65),
     ("remote_blocks_expiry_time", 1_800_000_000.0), ("tp_size", 4), ("kvshuttle_handle_id", "h-other"),
     ("kvshuttle_generation", 8), ("kvshuttle_digests", "ab" * 80), ("kvshuttle_issued_at", 1.0),
-    ("kvshuttle_ttl_s", 1e6),
+    ("kvshuttle_ttl_s", 1e6), ("kvshuttle_cache_dtype", "fp8_e5m2"), ("kvshuttle_reads", "use_once"),
 ])
 def test_every_edited_field_fails_the_mac(field: str, value: Any) -> None:
     params = handle().to_kv_transfer_params(SECRET)
@@ -220,7 +238,7 @@ def test_every_edited_field_fails_the_mac(field: str, value: Any) -> None:
 def _attr(field: str) -> str:
     names = {"remote_host": "host", "remote_port": "port", "remote_engine_id": "engine_id",
              "remote_request_id": "request_id", "remote_block_ids": "block_ids", "remote_num_tokens": "num_tokens",
-             "remote_blocks_expiry_time": "expiry_time", "tp_size": "tp_size"}
+             "remote_blocks_expiry_time": "expiry_time", "tp_size": "tp_size", "kvshuttle_reads": "read_mode"}
     return names.get(field, field.removeprefix("kvshuttle_"))
 
 
@@ -275,7 +293,9 @@ def _handles(draw: st.DrawFn) -> KVHandle:
     ranks = (f"{host}:{port}", *(f"r{k}:{port}" for k in range(1, tp))) if draw(st.booleans()) else ()
     when = st.sampled_from([0.0, 1.5, 2.0, 1e9])
     return KVHandle(draw(_TEXT), draw(_TEXT), host, port, tuple(ids), tokens, draw(when), tp, draw(_TEXT),
-                    draw(st.integers(0, 3)), block_size, tuple(digests), draw(when), draw(when), ranks)
+                    draw(st.integers(0, 3)), block_size, tuple(digests), draw(when), draw(when), ranks,
+                    draw(st.sampled_from(["", "bfloat16", "fp8_e4m3"])), draw(st.sampled_from(["multi_read",
+                                                                                               "use_once"])))
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None)

@@ -287,6 +287,23 @@ def test_expiry_margin_is_configurable() -> None:
     assert run([*remote, 1], handle, config=replace(ANY, expiry_margin_s=0.0)).fetch
 
 
+@pytest.mark.parametrize(("handle_dtype", "cache_dtype", "fetches"), [
+    ("fp8_e4m3", "fp8_e4m3", True),
+    ("bfloat16", "bfloat16", True),
+    ("bfloat16", "fp8_e4m3", False),  # bf16 bytes read into an fp8 cache
+    ("fp8_e5m2", "fp8_e4m3", False),  # same size, other meaning
+    ("", "bfloat16", False),  # a handle that does not say what its bytes are
+    ("fp8_e4m3", "", True),  # no check asked for (the planner, a bench)
+])
+def test_a_handle_of_another_cache_dtype_recomputes(handle_dtype: str, cache_dtype: str, fetches: bool) -> None:
+    remote = toks(100)
+    handle = replace(make_handle(remote), cache_dtype=handle_dtype)
+    decision = run([*remote, 1], handle, config=replace(ANY, cache_dtype=cache_dtype))
+    assert decision.fetch is fetches
+    if not fetches:
+        assert decision.reason is Reason.CACHE_DTYPE_MISMATCH and decision.fetch_tokens == 0
+
+
 def test_nan_clock_refuses() -> None:
     remote = toks(100)
     assert run([*remote, 1], make_handle(remote), now=math.nan).reason is Reason.EXPIRED

@@ -21,9 +21,9 @@ BS = 32
 SECRET = DeploymentSecret(b"scheduler-tests-" * 4)
 
 
-def scheduler(**extra: Any) -> ShuttleScheduler:
+def scheduler(cache_dtype: str = "bfloat16", **extra: Any) -> ShuttleScheduler:
     config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, **extra}, model="m")
-    s = ShuttleScheduler(config, "eng", BS, secret=SECRET)
+    s = ShuttleScheduler(config, "eng", BS, secret=SECRET, cache_dtype=cache_dtype)
     s.address = ShuttleHandshake("127.0.0.1", 5601)
     return s
 
@@ -128,6 +128,27 @@ def test_a_local_hit_comes_first_and_a_misaligned_one_recomputes() -> None:
                              secret=SECRET)
     assert small.get_num_new_matched_tokens(request("q", [*history, 1], params), 16) == (0, False)
     assert small.counts["misaligned"] == 1
+
+
+def test_a_handle_names_its_cache_dtype_and_another_cache_recomputes() -> None:
+    """Bytes move as they are: an fp8 decode's blocks are never read into a bf16 prefill (nor e5m2 into e4m3);
+    refused before any connection, counted under its own reason."""
+    history = words(300)
+    prompt = [*history, 1]
+    params = granted(dict(decode_turn(scheduler("fp8_e4m3"), history), do_remote_decode=True))
+    assert parse_handle(params, secret=SECRET).cache_dtype == "fp8_e4m3"  # type: ignore[union-attr]
+    assert scheduler("fp8_e4m3").get_num_new_matched_tokens(request("a", prompt, params), 0) == (299, True)
+    for other in ("bfloat16", "fp8_e5m2"):
+        prefill = scheduler(other)
+        assert prefill.get_num_new_matched_tokens(request("b", prompt, params), 0) == (0, False)
+        assert prefill.take_stats().data["decision.cache_dtype_mismatch"] == 1
+
+
+def test_a_handle_says_how_the_decode_lets_it_be_read() -> None:
+    history = words(300)
+    multi = parse_handle(decode_turn(scheduler(), history), secret=SECRET)
+    once = parse_handle(decode_turn(scheduler(kvshuttle_reads="use_once"), history), secret=SECRET)
+    assert multi.read_mode == "multi_read" and once.read_mode == "use_once"  # type: ignore[union-attr]
 
 
 def test_refusals_recompute_and_are_counted() -> None:

@@ -25,10 +25,11 @@ from .digests import (
     from_vllm_block_hashes,
     salted_key,
 )
-from .kv_handle import HandleAuthError, HandleFormatError, KVHandle
+from .kv_handle import READ_MODES, HandleAuthError, HandleFormatError, KVHandle, ReadMode
 
 __all__ = [
     "DEFAULT_DIGEST_SIZE",
+    "READ_MODES",
     "CostEstimate",
     "CostInputs",
     "Decision",
@@ -39,6 +40,7 @@ __all__ = [
     "PolicyConfig",
     "PolicyError",
     "PromptDigests",
+    "ReadMode",
     "Reason",
     "block_digests",
     "decide",

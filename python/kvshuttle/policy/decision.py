@@ -2,6 +2,8 @@
 
 :func:`decide` runs these steps, in this order, and returns a :class:`Decision` with a reason:
 
+0. **Same bytes.** A handle whose blocks hold another KV dtype than this cache (``PolicyConfig.cache_dtype``) is
+   refused before anything else is compared: the bytes move as they are.
 a. **Local hit first.** Tokens already in the prefill's prefix cache are never fetched; a fetch starts at the
    first remote block wholly after the local hit (``ceil(local / B)``).
 b. **Verify.** The handle's digest chain is compared with the prompt's block by block, aligned by index
@@ -62,6 +64,7 @@ class Reason(str, enum.Enum):
     UNAUTHENTICATED_HANDLE = "unauthenticated_handle"  # no MAC, a wrong one, or an owner not trusted here
     FETCH_DISABLED = "fetch_disabled"
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    CACHE_DTYPE_MISMATCH = "cache_dtype_mismatch"  # the handle's blocks hold another KV dtype than this cache
     DIGEST_SCHEME_MISMATCH = "digest_scheme_mismatch"
     NOTHING_VERIFIED = "nothing_verified"
     LOCAL_COVERS = "local_covers"
@@ -139,6 +142,9 @@ class PolicyConfig:
     cost_margin: float = 1.2
     expiry_margin_s: float = 5.0  # vLLM's hard-coded _KV_BLOCKS_EXPIRY_SAFETY_MARGIN
     extra_key: bytes = field(default=b"", repr=False)  # for digesting raw prompt tokens (model / adapter id)
+    # This cache's KV dtype (KVHandle.cache_dtype's names); set, a handle naming another (or none) is refused:
+    # bytes move as they are, so bf16 read into an fp8 cache, or e5m2 into e4m3, would be garbage. "": no check.
+    cache_dtype: str = ""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.kind, str) and self.kind in ("fixed", "cost")):
@@ -149,6 +155,8 @@ class PolicyConfig:
         if not isinstance(self.extra_key, (bytes, bytearray, memoryview)):
             raise PolicyError(f"extra_key must be bytes (a model or adapter id), got {type(self.extra_key).__name__}")
         object.__setattr__(self, "extra_key", bytes(self.extra_key))
+        if not isinstance(self.cache_dtype, str):
+            raise PolicyError(f"cache_dtype must be a string, got {type(self.cache_dtype).__name__}")
         numbers = ("kv_bytes_per_token", "bandwidth_bytes_per_s", "transfer_overhead_s", "prefill_tokens_per_s",
                    "cost_margin", "expiry_margin_s")
         for name in numbers:  # Python floats: the cost model's products overflow to inf, never raise
@@ -284,6 +292,10 @@ def decide(prompt: TokenIds | PromptDigests, *, local_hit_tokens: int, handle: K
         return request.refuse(Reason.MALFORMED_HANDLE, f"inconsistent handle: {problem}")
     if not handle.block_ids:
         return request.refuse(Reason.NOTHING_VERIFIED, "the handle offers no blocks")
+    if config.cache_dtype and handle.cache_dtype != config.cache_dtype:
+        return request.refuse(Reason.CACHE_DTYPE_MISMATCH, f"the handle's blocks hold "
+                                                           f"{handle.cache_dtype or 'an unnamed dtype'}, this cache "
+                                                           f"{config.cache_dtype}: bytes would not mean the same")
     try:
         return _decide_verified(prompt, request, handle, now_wall, config, clock_offset_s)
     except (HandleFormatError, DigestError, TypeError) as exc:  # a handle we cannot read: recompute, never raise

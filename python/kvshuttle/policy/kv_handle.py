@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .._values import is_finite
 from ..core.blocks import blocks_hold_tokens
 from ..errors import KVShuttleError, shown
 from ..trust import DeploymentSecret
 
-WIRE_VERSION = 3  # 2: every field covered by kvshuttle_mac; 3: length-prefixed (injective) MAC input
+# 2: every field covered by kvshuttle_mac; 3: length-prefixed (injective) MAC input; 4: cache dtype and read mode
+WIRE_VERSION = 4
 PREFIX = "kvshuttle_"
 MAC_FIELD = PREFIX + "mac"
 _MAC_PURPOSE = "kv-handle"
+# How a retention may be read: again and again until it ends (a retried turn reads again), or by one reader. The
+# decode decides; the handle says which, so a router follows the decode instead of being configured to match it.
+ReadMode = Literal["multi_read", "use_once"]
+READ_MODES: tuple[ReadMode, ...] = ("multi_read", "use_once")
+MAX_DTYPE_CHARS = 32
 
 
 class HandleFormatError(KVShuttleError, ValueError):
@@ -62,6 +68,10 @@ class KVHandle:
     issued_at: float  # decode wall clock when issued
     ttl_s: float  # seconds of retention left when issued
     ranks: tuple[str, ...] = ()  # kvshuttle_ranks: owner ranks' side channels "host:port" (empty: TP=1, host:port)
+    # kvshuttle_cache_dtype: what the blocks' bytes mean ("bfloat16", "fp8_e4m3", ...; "" unknown). Bytes move as
+    # they are, so a reader whose cache holds another dtype recomputes (cache_dtype_mismatch), never reads.
+    cache_dtype: str = ""
+    read_mode: ReadMode = "multi_read"  # kvshuttle_reads
 
     def signing_bytes(self) -> bytes:
         """Every field in one canonical encoding (typed, so a JSON or msgpack round trip cannot change it) that is
@@ -70,7 +80,8 @@ class KVHandle:
         parts = [self.engine_id, self.request_id, self.host, str(self.port), str(self.num_tokens),
                  float(self.expiry_time).hex(), str(self.tp_size), self.handle_id, str(self.generation),
                  str(self.block_size), float(self.issued_at).hex(), float(self.ttl_s).hex(), str(len(self.block_ids)),
-                 str(len(self.digests[0]) if self.digests else 0), str(len(self.ranks)), *self.ranks]
+                 str(len(self.digests[0]) if self.digests else 0), self.cache_dtype, self.read_mode,
+                 str(len(self.ranks)), *self.ranks]
         # With the count and size of the digests (one size: check()), their concatenation splits one way only.
         # Ids as fixed-width integers and digests as bytes: C speed at thousands of blocks (checked in range).
         fields = [f"v{WIRE_VERSION}".encode(), *(p.encode("utf-8", "surrogatepass") for p in parts),
@@ -106,6 +117,8 @@ class KVHandle:
             PREFIX + "digests": b"".join(self.digests).hex(),
             PREFIX + "issued_at": self.issued_at,
             PREFIX + "ttl_s": self.ttl_s,
+            PREFIX + "cache_dtype": self.cache_dtype,
+            PREFIX + "reads": self.read_mode,
             **({PREFIX + "ranks": list(self.ranks)} if self.ranks else {}),
         }
 
@@ -176,6 +189,8 @@ class KVHandle:
             issued_at=_number(params, PREFIX + "issued_at"),
             ttl_s=_number(params, PREFIX + "ttl_s"),
             ranks=tuple(ranks),
+            cache_dtype=_field(params, PREFIX + "cache_dtype", str),
+            read_mode=_read_mode(params),
         )
         handle.check()
         return handle
@@ -202,6 +217,12 @@ class KVHandle:
                 return f"{name} must be a finite number, got {shown(value)}"
         if not self.ttl_s >= 0:
             return f"ttl_s must be >= 0, got {self.ttl_s}"
+        if not (isinstance(self.cache_dtype, str) and len(self.cache_dtype) <= MAX_DTYPE_CHARS
+                and all(c.isascii() and (c.isalnum() or c == "_") for c in self.cache_dtype)):
+            return f"cache_dtype must be a dtype name of at most {MAX_DTYPE_CHARS} [A-Za-z0-9_] characters, got " \
+                   f"{shown(self.cache_dtype)}"
+        if self.read_mode not in READ_MODES:
+            return f"read_mode must be one of {READ_MODES}, got {shown(self.read_mode)}"
         if not blocks_hold_tokens(len(ids), bs, tokens):
             return f"{len(ids)} blocks of {bs} tokens cannot hold exactly {tokens} tokens"
         if len(digests) != len(ids):
@@ -287,6 +308,14 @@ def _field(params: dict[str, Any], name: str, kind: type) -> Any:
     if type(value) is not kind:  # bool is not an int here, a str subclass not a str
         raise HandleFormatError(f"{name!r} must be {kind.__name__}, got {type(value).__name__}")
     return value
+
+
+def _read_mode(params: dict[str, Any]) -> ReadMode:
+    value = _field(params, PREFIX + "reads", str)
+    for mode in READ_MODES:
+        if value == mode:
+            return mode
+    raise HandleFormatError(f"'kvshuttle_reads' must be one of {READ_MODES}, got {shown(value)}")
 
 
 def _int(params: dict[str, Any], name: str, low: int, high: int) -> int:

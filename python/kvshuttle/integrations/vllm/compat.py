@@ -54,6 +54,7 @@ __all__ = [
     "Parallel",
     "VllmPrefixCache",
     "attention_backend",
+    "cache_dtype",
     "check_version",
     "engine_prefix_cache",
     "force_recompute_on_load_failure",
@@ -102,6 +103,31 @@ def attention_backend(vllm_config: Any) -> str:
                           "attention model: e.g. DeepSeek V3.2's indexer); kvshuttle moves one kind of cache, so "
                           "serve this model without kvshuttle")
     return str(names.pop())
+
+
+# KV cache dtypes whose bytes mean the same in every engine of one model, so they move as they are: the model's
+# own float types, fp8 with per-tensor scales (loaded from the checkpoint, or 1.0: the same on both sides), and
+# FlashMLA's fp8_ds_mla (each 656-byte cell carries its own scales). Per-token-head and 4-bit formats are refused:
+# where their scales live was not read from vLLM's code, and bytes without their scales would be garbage.
+MOVABLE_CACHE_DTYPES = ("float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+
+
+def cache_dtype(vllm_config: Any) -> str:
+    """What this engine's KV cache bytes mean, as a handle names it (``"auto"`` resolved to the model's dtype,
+    ``"fp8"`` to ``"fp8_e4m3"``, vLLM's own alias on CUDA); LayoutError at start-up for a dtype kvshuttle cannot
+    move, or when some layers skip quantization (their pages would hold another dtype)."""
+    cache = vllm_config.cache_config
+    name = str(getattr(cache, "cache_dtype", "auto") or "auto")
+    if name == "auto":
+        name = str(getattr(vllm_config.model_config, "dtype", "")).removeprefix("torch.")
+    name = {"fp8": "fp8_e4m3", "half": "float16"}.get(name, name)
+    if name not in MOVABLE_CACHE_DTYPES:
+        raise LayoutError(f"kv_cache_dtype {name!r}: kvshuttle moves KV caches of {list(MOVABLE_CACHE_DTYPES)} "
+                          "(or 'auto', 'fp8'); serve this model without kvshuttle or with one of those")
+    if getattr(cache, "kv_cache_dtype_skip_layers", None):
+        raise LayoutError("kv_cache_dtype_skip_layers: some layers would hold another KV dtype than the rest; "
+                          "kvshuttle moves one dtype per engine")
+    return name
 
 
 def on_cpu() -> bool:

@@ -23,6 +23,7 @@ from .compat import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
     attention_backend,
+    cache_dtype,
     check_version,
     engine_prefix_cache,
     force_recompute_on_load_failure,
@@ -57,7 +58,8 @@ class KVShuttleConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             force_recompute_on_load_failure(vllm_config)
             self._attach(ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size,
-                                           num_layers=parallel.num_layers, cpu_host=on_cpu()), None)
+                                           num_layers=parallel.num_layers, cpu_host=on_cpu(),
+                                           cache_dtype=cache_dtype(vllm_config)), None)
         else:  # one worker per tensor-parallel rank, each serving and reading its own head shard
             rank = worker_tp_rank() if parallel.tp_size > 1 else 0
             self._attach(None, ShuttleWorker(config, engine_id, block_size, tp_rank=rank, tp_size=parallel.tp_size,

@@ -56,14 +56,16 @@ CONSUMED = PREFIX + "consumed"  # set in a request's params once its load is sch
 class ShuttleScheduler:
     def __init__(self, config: ShuttleConfig, engine_id: str, block_size: int,
                  secret: DeploymentSecret | None = None, tp_size: int = 1, num_layers: int = 0,
-                 cpu_host: bool = False) -> None:
+                 cpu_host: bool = False, cache_dtype: str = "") -> None:
         self.config = config
         self.engine_id = engine_id
         self.block_size = block_size
         self.tp_size = tp_size
         self.num_layers = num_layers  # 0: unknown
         self.cpu_host = cpu_host  # the CPU platform: host threads copy a read's bytes on the compute cores
-        self.policy = config.policy()
+        # What this cache's bytes mean: named in every handle issued here, and a handle naming another is refused.
+        self.cache_dtype = cache_dtype
+        self.policy = replace(config.policy(), cache_dtype=cache_dtype)
         self.secret = secret if secret is not None else config.deployment_secret()
         self._grants = GrantBook(self.secret)  # grants checked at arrival, each good for one request
         self._ranks: tuple[ShuttleHandshake, ...] = ()  # every rank's side channel, once all reported
@@ -339,10 +341,10 @@ class ShuttleScheduler:
         digests = tuple(block_digests(list(request.all_token_ids[:tokens]), self.block_size,
                                       extra_key=self._salted(request).extra_key))
         ranks = tuple(r.address for r in self._ranks) if self.tp_size > 1 else ()
+        once = prefill or self.config.reads == "use_once"  # a prompt is read by its one decode
         handle = KVHandle(self.engine_id, request.request_id, self.address.host, self.address.port, tuple(table),
                           tokens, now + ttl, self.tp_size, secrets.token_urlsafe(18), 0, self.block_size, digests,
-                          now, ttl, ranks)
-        once = prefill or self.config.reads == "use_once"  # a prompt is read by its one decode
+                          now, ttl, ranks, self.cache_dtype, "use_once" if once else "multi_read")
         job = RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens, self.block_size,
                         ttl, once, ranks)
         out = handle.to_kv_transfer_params(self.secret)  # fresh: the request's grant is never echoed
