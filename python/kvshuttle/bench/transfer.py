@@ -30,14 +30,11 @@ within a round, with their spread (``ratio_spread``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
-import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,87 +43,32 @@ import numpy.typing as npt
 from ..core.layout import CacheKind, PagedKVCache
 from .schema import envelope
 from .timing import gbps, interleaved_rounds, medians, round_ratios, speedups, spread
+from .transfer_workload import (
+    DEFAULT_SHAPES,
+    PIECE_SHAPES,
+    SHAPES,
+    Shape,
+    add_arguments,
+    block_ids,
+    layer_arrays,
+    owner_process,
+    sweep,
+)
+
+__all__ = ["DEFAULT_SHAPES", "METHODS", "PIECE_SHAPES", "SHAPES", "Shape", "add_arguments", "format_table",
+           "owner_process", "run"]
+_ids = block_ids  # the name benchmarks/packed_*.py import
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    layers_in_model: int
-    kv_heads: int
-    head_size: int
-    block_size: int
-    itemsize: int  # bf16 bytes (the bench moves bytes; a 2-byte integer stands in for bf16)
-
-
-SHAPES = {
-    "qwen3-32b-tp1": Shape("qwen3-32b-tp1", 64, 8, 128, 16, 2),
-    "qwen3-32b-tp2": Shape("qwen3-32b-tp2", 64, 4, 128, 16, 2),
-    "qwen3-32b-tp4": Shape("qwen3-32b-tp4", 64, 2, 128, 16, 2),
-    "qwen3-32b-tp8": Shape("qwen3-32b-tp8", 64, 1, 128, 16, 2),
-    **{f"piece-{kib}k": Shape(f"piece-{kib}k", 64, heads, head, 16, 2)
-       for kib, heads, head in ((1, 1, 32), (2, 1, 64), (4, 1, 128), (8, 2, 128), (16, 4, 128), (32, 8, 128),
-                                (64, 16, 128))},
-}
-DEFAULT_SHAPES = ("qwen3-32b-tp1", "qwen3-32b-tp8")  # --shape all
-PIECE_SHAPES = tuple(name for name in SHAPES if name.startswith("piece-"))  # --shape pieces
 METHODS = ("direct", "direct_prepped", "packed", "raw_per_block", "auto")
 PAIRS = {"packed_vs_memcpy": ("packed", "memcpy"), "packed_vs_direct": ("packed", "direct"),
          "direct_vs_raw_per_block": ("direct", "raw_per_block")}
 
 
-def _names(text: str) -> list[str]:
-    if text in ("all", "pieces"):
-        return list(DEFAULT_SHAPES if text == "all" else PIECE_SHAPES)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}, all or "
-                                         "pieces")
-    return names
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="all",
-                        help=f"comma-separated, of {', '.join(SHAPES)}; all: {', '.join(DEFAULT_SHAPES)}; "
-                             "pieces: the piece-* sweep")
-    parser.add_argument("--layers", type=int, default=8, help="layers allocated (the model has 64)")
-    parser.add_argument("--blocks", type=int, default=256, help="blocks read per transfer (16 tokens each)")
-    parser.add_argument("--spare-blocks", type=int, default=256, help="cache blocks not read")
-    parser.add_argument("--pattern", choices=["scattered", "contiguous", "all"], default="all")
-    parser.add_argument("--chunk-mib", default="16", help="staging chunk size (MiB); a comma list sweeps")
-    parser.add_argument("--depth", default="4", help="staging chunks in flight per packed read; a comma list sweeps")
-    parser.add_argument("--repeat", type=int, default=9, help="timed rounds (methods interleaved)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-verify", action="store_true", help="skip the byte check of each method")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: caches and staging in VRAM (cupy), packed vs direct vs one contiguous read")
-
-
-def _layers(shape: Shape, layers: int, blocks: int, seed: int) -> list[npt.NDArray[Any]]:
-    """FlashAttention NHD layers ``[2, N, B, H, D]`` of 2-byte words from ``seed`` (same in both processes)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(layers):
-        words = rng.integers(0, 2**63, size=2 * blocks * shape.block_size * shape.kv_heads * shape.head_size // 4,
-                             dtype=np.uint64)
-        out.append(words.view(np.uint16).reshape(2, blocks, shape.block_size, shape.kv_heads, shape.head_size))
-    return out
-
-
 def _owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config: dict[str, Any]) -> None:
     from ..transfer import EngineConfig, TransferEngine
 
-    caches = _layers(shape, layers, blocks, seed)
+    caches = layer_arrays(shape, layers, blocks, seed)
     with TransferEngine(PagedKVCache.from_arrays(caches, CacheKind.FLASH_ATTN), EngineConfig(**config)) as engine:
         conn.send(engine.serve())
         while not conn.poll(0.2):
@@ -172,12 +114,6 @@ class _Memcpy:
 
     def __call__(self) -> None:
         self._native.parallel_memcpy(self._dst.ctypes.data, self._src.ctypes.data, self._nbytes)
-
-
-def _ids(pattern: str, blocks: int, total: int, rng: np.random.Generator) -> tuple[Any, Any]:
-    if pattern == "contiguous":
-        return np.arange(blocks, dtype=np.int64), np.arange(total - blocks, total, dtype=np.int64)
-    return rng.permutation(total)[:blocks].astype(np.int64), rng.permutation(total)[:blocks].astype(np.int64)
 
 
 class _Reader:
@@ -264,11 +200,11 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     with owner_process(_owner, (shape, args.layers, total, args.seed, config), 120) as address:
         try:
             reader = _Reader(shape, args, total, config, address)
-            source = None if args.no_verify else _layers(shape, args.layers, total, args.seed)
+            source = None if args.no_verify else layer_arrays(shape, args.layers, total, args.seed)
             rng = np.random.default_rng(args.seed + 1)
             g = reader.cache.geometry
             for pattern in patterns:
-                lids, rids = _ids(pattern, args.blocks, total, rng)
+                lids, rids = block_ids(pattern, args.blocks, total, rng)
                 nbytes = args.blocks * g.num_planes * g.piece_bytes
                 samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(_native, nbytes))
                 if source is not None and not all(verified.values()):
@@ -300,43 +236,14 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     return results
 
 
-@contextlib.contextmanager
-def owner_process(target: Callable[..., None], args: tuple[Any, ...], start_s: float,
-                  pipes: list[Any] | None = None) -> Iterator[Any]:
-    """The owner in a spawned process (``target(pipe, *args)`` sends what the reader needs, then waits for
-    "stop"): yields what it sent; stopped (killed if it will not) on the way out. ``pipes``: gets this side's
-    pipe appended, for targets that answer more requests."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    if pipes is not None:
-        pipes.append(parent)
-    owner = ctx.Process(target=target, args=(child, *args), daemon=True)
-    owner.start()
-    try:
-        if not parent.poll(start_s):
-            raise RuntimeError(f"the owner process did not start within {start_s:.0f} s")
-        yield parent.recv()
-    finally:
-        with contextlib.suppress(OSError):
-            parent.send("stop")
-        owner.join(10)
-        if owner.is_alive():
-            owner.kill()
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x pattern x chunk size x depth; returns the :mod:`~kvshuttle.bench.schema` envelope."""
     if getattr(args, "device", "cpu") == "cuda":
-        from . import transfer_cuda
+        from . import transfer_cuda  # cupy's bench: imported only when asked for
 
-        return transfer_cuda.run(args, add_arguments)
+        return transfer_cuda.run(args)
     started = time.perf_counter()
-    try:
-        names, chunks = _names(str(args.shape)), _floats(str(args.chunk_mib))
-        depths = [int(d) for d in _floats(str(args.depth))]
-    except argparse.ArgumentTypeError as exc:
-        raise SystemExit(f"kvshuttle bench transfer: {exc}") from None
-    patterns = ["scattered", "contiguous"] if args.pattern == "all" else [args.pattern]
+    names, chunks, depths, patterns = sweep(args)
     results = [r for name in names for chunk_mib, depth in itertools.product(chunks, depths)
                for r in _run_shape(SHAPES[name], args, patterns, chunk_mib, depth)]
     staging = ", ".join(f"{c:g} MiB x {d}" for c, d in itertools.product(chunks, depths))

@@ -27,7 +27,7 @@ import numpy.typing as npt
 from ..core.layout import CacheKind, PagedKVCache
 from .schema import envelope
 from .timing import gbps, interleaved_rounds, medians, speedups
-from .transfer import SHAPES, Shape, _floats, _ids, _layers, _names, owner_process
+from .transfer_workload import SHAPES, Shape, add_arguments, block_ids, layer_arrays, owner_process, sweep
 
 METHODS = ("direct", "packed", "one_read", "device_copy")
 PAIRS = {"packed_vs_direct": ("packed", "direct"), "packed_vs_one_read": ("packed", "one_read"),
@@ -39,7 +39,7 @@ def _device_cache(cupy: Any, shape: Shape, layers: int, blocks: int, seed: int |
     dims = (layers, 2, blocks, shape.block_size, shape.kv_heads, shape.head_size)
     buffer = cupy.zeros(dims, dtype=cupy.uint16)
     if seed is not None:
-        buffer[...] = cupy.asarray(np.stack(_layers(shape, layers, blocks, seed)))
+        buffer[...] = cupy.asarray(np.stack(layer_arrays(shape, layers, blocks, seed)))
     cupy.cuda.Device().synchronize()
     return buffer, [buffer[layer] for layer in range(layers)]
 
@@ -144,11 +144,11 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     with owner_process(_owner, (shape, args.layers, total, args.seed, config), 180) as (address, remote_base):
         try:
             reader = _Reader(cupy, shape, args, total, config, address, remote_base)
-            source = None if args.no_verify else np.stack(_layers(shape, args.layers, total, args.seed))
+            source = None if args.no_verify else np.stack(layer_arrays(shape, args.layers, total, args.seed))
             rng = np.random.default_rng(args.seed + 1)
             g = reader.cache.geometry
             for pattern in patterns:
-                lids, rids = _ids(pattern, args.blocks, total, rng)
+                lids, rids = block_ids(pattern, args.blocks, total, rng)
                 nbytes = args.blocks * g.num_planes * g.piece_bytes
                 samples, verified = _measure(reader, lids, rids, nbytes, args.repeat, source)
                 if source is not None and not all(verified.values()):
@@ -170,17 +170,12 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     return results
 
 
-def run(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None]) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x pattern x chunk size x depth on the GPU; the :mod:`~kvshuttle.bench.schema` envelope."""
     import cupy
 
     started = time.perf_counter()
-    try:
-        names, chunks = _names(str(args.shape)), _floats(str(args.chunk_mib))
-        depths = [int(d) for d in _floats(str(args.depth))]
-    except argparse.ArgumentTypeError as exc:
-        raise SystemExit(f"kvshuttle bench transfer: {exc}") from None
-    patterns = ["scattered", "contiguous"] if args.pattern == "all" else [args.pattern]
+    names, chunks, depths, patterns = sweep(args)
     results = [r for name in names for chunk_mib, depth in itertools.product(chunks, depths)
                for r in _run_shape(SHAPES[name], args, patterns, chunk_mib, depth)]
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
