@@ -18,6 +18,7 @@ BENCHES = {
     "router": "kvshuttle.bench.router",
     "placement": "kvshuttle.bench.e2e.placement",
     "retokenize": "kvshuttle.bench.retokenize",
+    "report": "kvshuttle.bench.report",
 }
 
 
