@@ -227,7 +227,7 @@ def test_turns_beyond_max_in_flight_wait_their_turn(loop: LoopThread) -> None:
 
 
 def test_multi_read_gives_the_handle_to_both_concurrent_turns(loop: LoopThread) -> None:
-    d = deploy(loop, reads="multi")
+    d = deploy(loop, reads="multi_read")
     try:
         sent = _concurrent_second_turns(d)
         assert [bool(p.get("kvshuttle_handle_id")) for p in sent] == [True, True]

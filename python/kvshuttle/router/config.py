@@ -16,17 +16,27 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from ..errors import shown
+from ..retention.errors import RetentionArgumentError
+from ..retention.terms import (
+    DEFAULT_ROUTER_TTL_S,
+    DEFAULT_TTL_S,
+    READ_MODE_ALIASES,
+    READ_MODES,
+    ROUTER_READ_MODE,
+    ReadMode,
+    as_read_mode,
+)
 from ..trust import DeploymentSecret, is_loopback
 from .errors import RouterConfigError
 from .redact import redact_url, register, url_secrets
 
 Connector = Literal["kvshuttle", "nixl"]
-Reads = Literal["use_once", "multi"]
+Reads = ReadMode  # the retention words; "multi" is still accepted for multi_read on input (check())
 Balance = Literal["round_robin", "least_loaded"]
 Affinity = Literal["conversation", "none"]
 CacheSalt = Literal["auto", "tenant", "conversation", "off"]
 CONNECTORS: tuple[Connector, ...] = ("kvshuttle", "nixl")
-READS: tuple[Reads, ...] = ("use_once", "multi")
+READS: tuple[Reads, ...] = READ_MODES
 BALANCES: tuple[Balance, ...] = ("round_robin", "least_loaded")
 AFFINITIES: tuple[Affinity, ...] = ("conversation", "none")
 CACHE_SALTS: tuple[CacheSalt, ...] = ("auto", "tenant", "conversation", "off")
@@ -107,13 +117,15 @@ class RouterConfig:
     decode: list[BackendSpec]
     connector: Connector = "kvshuttle"
     store: str = "memory"  # "memory" or "redis://host:port/db"
-    ttl_s: float = 450.0  # the router's handle TTL; below the decode's retention so a stored handle is live
-    decode_ttl_s: float = 480.0  # the decode's retention (decoder_kv_blocks_ttl): configured together
+    ttl_s: float = DEFAULT_ROUTER_TTL_S  # the router's handle TTL; below the decode's retention so a stored handle
+    decode_ttl_s: float = DEFAULT_TTL_S  # is live; the decode's retention (decoder_kv_blocks_ttl): set together
     max_conversations: int = 100_000  # memory store: least recently used conversations dropped beyond this
     sweep_interval_s: float = 5.0  # memory store: expired handles removed on this timer, not only on traffic
     tenant_header: str | None = None  # e.g. "X-Tenant" set by a trusted gateway
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant; then keys are required
-    reads: Reads = "use_once"  # must match the decode's kvshuttle_reads (use_once: vLLM's behaviour)
+    # How a stored handle is read when the handle does not say: use_once takes it atomically (right for either
+    # decode mode), multi_read keeps it for concurrent turns (only for decodes with kvshuttle_reads multi_read)
+    reads: Reads = ROUTER_READ_MODE
     balance: Balance = "round_robin"  # turns without a conversation (or every turn with affinity "none")
     # "conversation": a conversation's turns stay on the prefill and decode that served it (their prefix caches
     # hold it), else on its rendezvous-hash home; reverse reads cover the turns that land elsewhere.
@@ -184,8 +196,10 @@ class RouterConfig:
             raise RouterConfigError("the router needs at least one --prefill and one --decode backend")
         if self.connector not in CONNECTORS:
             raise RouterConfigError(f"--connector is one of {CONNECTORS}, got {shown(self.connector)}")
-        if self.reads not in READS:
-            raise RouterConfigError(f"--reads is one of {READS}, got {shown(self.reads)}")
+        try:
+            self.reads = as_read_mode(self.reads, "--reads", aliases=True)  # a deployment's old "multi" still works
+        except RetentionArgumentError:
+            raise RouterConfigError(f"--reads is one of {READS}, got {shown(self.reads)}") from None
         if self.balance not in BALANCES:
             raise RouterConfigError(f"--balance is one of {BALANCES}, got {shown(self.balance)}")
         if self.affinity not in AFFINITIES:
@@ -203,7 +217,8 @@ class RouterConfig:
             # A handle the router still holds must still be retained on the decode, or the next prefill's
             # claim is refused and the turn recomputes after a wasted round trip.
             raise RouterConfigError(f"the router TTL ({self.ttl_s:g} s) must be below the decode's retention "
-                                    f"({self.decode_ttl_s:g} s, decoder_kv_blocks_ttl); e.g. 450 and 480")
+                                    f"({self.decode_ttl_s:g} s, decoder_kv_blocks_ttl); e.g. "
+                                    f"{DEFAULT_ROUTER_TTL_S:g} and {DEFAULT_TTL_S:g}")
         if not isinstance(self.max_conversations, int) or self.max_conversations <= 0:
             raise RouterConfigError(f"max_conversations must be a positive int, got {shown(self.max_conversations)}")
         for name in ("max_store_bytes", "max_body_bytes"):
@@ -278,3 +293,8 @@ def check_exposure(host: str, config: RouterConfig, allow_shared_tenant: bool = 
         "object of bearer key -> tenant) or --tenant-header NAME (set by a trusted gateway that strips it from "
         "clients), or pass --allow-shared-tenant to accept one shared tenant (e.g. behind a gateway that "
         "authenticates every client)")
+
+
+def read_mode_flag(text: str) -> str:
+    """``--reads``: the retention words; the old ``multi`` maps to ``multi_read`` with a FutureWarning."""
+    return as_read_mode(text, "--reads", aliases=True) if text in READ_MODE_ALIASES else text

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..retention.terms import DEFAULT_ROUTER_TTL_S, DEFAULT_TTL_S, ROUTER_READ_MODE
 from .config import (
     AFFINITIES,
     BALANCES,
@@ -30,6 +31,7 @@ from .config import (
     check_exposure,
     load_api_keys,
     parse_backend,
+    read_mode_flag,
 )
 from .errors import RouterConfigError
 from .redact import (
@@ -72,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url-file", metavar="PATH", help="a file holding the shared store's URL")
     parser.add_argument("--store-timeout", type=float, default=2.0,
                         help="seconds one Redis exchange may take; past it the turn recomputes")
-    parser.add_argument("--ttl", type=float, default=450.0, help="seconds a handle is kept (below --decode-ttl)")
-    parser.add_argument("--decode-ttl", type=float, default=480.0,
+    parser.add_argument("--ttl", type=float, default=DEFAULT_ROUTER_TTL_S,
+                        help="seconds a handle is kept (below --decode-ttl)")
+    parser.add_argument("--decode-ttl", type=float, default=DEFAULT_TTL_S,
                         help="the decode's retention, decoder_kv_blocks_ttl (checked: --ttl must be below it)")
     parser.add_argument("--max-conversations", type=int, default=100_000, help="memory store bound (LRU beyond)")
     parser.add_argument("--max-store-bytes", type=byte_size, default=256 << 20,
@@ -83,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tenants.add_argument("--api-keys", help="JSON file {api_key: tenant}; then every request needs a known key")
     parser.add_argument("--allow-shared-tenant", action="store_true",
                         help="serve a non-loopback --host without --api-keys or --tenant-header (one tenant for all)")
-    parser.add_argument("--reads", choices=READS, default="use_once",
-                        help="use_once takes a handle atomically; multi keeps it (match the decode's kvshuttle_reads)")
+    parser.add_argument("--reads", type=read_mode_flag, choices=READS, default=ROUTER_READ_MODE,
+                        help="for handles that do not say: use_once takes a handle atomically; multi_read keeps it "
+                             "(only with decodes whose kvshuttle_reads is multi_read; 'multi' is deprecated)")
     parser.add_argument("--balance", choices=BALANCES, default="round_robin",
                         help="for turns without a conversation (or every turn with --affinity none)")
     parser.add_argument("--affinity", choices=AFFINITIES, default="conversation",
