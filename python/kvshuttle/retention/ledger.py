@@ -125,6 +125,7 @@ class RetentionLedger:
             limits.append(check_count("budget_bytes", budget_bytes) // bytes_per_block)
         self.engine_id, self.host, self.port, self.mode = engine_id, host, port, self.terms.read_mode
         self.ranks: tuple[str, ...] = ()  # owner ranks' side channels, rank 0 = host:port: named at tp_size > 1
+        self.cache_dtype = ""  # what the cache's bytes mean (KVHandle.cache_dtype): named by every renewed handle
         self.bytes_per_block = bytes_per_block
         self.budget_blocks: int | None = min(limits) if limits else None
         self._clock, self._wall_clock, self._on_free, self._on_release = clock, wall_clock, on_free, on_release
@@ -596,4 +597,5 @@ class RetentionLedger:
                         block_ids=handle.block_ids, num_tokens=handle.num_tokens, expiry_time=issued_at + ttl_left,
                         tp_size=handle.tp_size, handle_id=handle.handle_id, generation=handle.generation,
                         block_size=handle.block_size, digests=handle.digests, issued_at=issued_at, ttl_s=ttl_left,
-                        ranks=self.ranks if handle.tp_size > 1 else ())
+                        ranks=self.ranks if handle.tp_size > 1 else (), cache_dtype=self.cache_dtype,
+                        read_mode="use_once" if handle.once else "multi_read")

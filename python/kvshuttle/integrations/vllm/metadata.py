@@ -50,6 +50,7 @@ class RetainJob:
     ttl_s: float
     use_once: bool
     ranks: tuple[str, ...] = ()  # every rank's side channel (TP > 1): a renewed handle names them too
+    cache_dtype: str = ""  # what the blocks' bytes mean: a renewed handle names it too
 
 
 @dataclass(frozen=True)

@@ -346,7 +346,7 @@ class ShuttleScheduler:
                           tokens, now + ttl, self.tp_size, secrets.token_urlsafe(18), 0, self.block_size, digests,
                           now, ttl, ranks, self.cache_dtype, "use_once" if once else "multi_read")
         job = RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens, self.block_size,
-                        ttl, once, ranks)
+                        ttl, once, ranks, self.cache_dtype)
         out = handle.to_kv_transfer_params(self.secret)  # fresh: the request's grant is never echoed
         # vLLM's proxy protocol: a prefill's params send its decode to read (do_remote_prefill); a decode's
         # send the next turn's prefill to read back (do_remote_decode).

@@ -276,6 +276,7 @@ class ShuttleWorker:
                 raise ConnectorConfigError("the worker has no KV cache registered")
             if job.ranks:  # the same for every handle of this engine: what a renewal's params name
                 self.ledger.ranks = job.ranks
+            self.ledger.cache_dtype = job.cache_dtype  # one per engine, as the ranks
             self.ledger.retain(job.request_id, job.block_ids, job.digests, job.num_tokens, job.block_size,
                                tp_size=self.tp_size, ttl_s=job.ttl_s, handle_id=job.handle_id, generation=0,
                                mode="use_once" if job.use_once else "multi_read")
