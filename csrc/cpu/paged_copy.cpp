@@ -16,8 +16,8 @@ namespace {
 // Copies into memory that is not read again soon bypass the cache (non-temporal stores): skipping the
 // read-for-ownership saves a third of the memory traffic, and the cache keeps what is read next. An unpack's
 // destination is the paged cache: always streamed, so a packed read's next staging chunk stays cached (2 MiB
-// chunks with no protocol: 8.91 against 7.35 GB/s, vm3_packed_bound.json). A pack's is a staging chunk the
-// transport reads next: streamed only when too large to stay cached anyway.
+// chunks with no protocol: 8.91 against 7.35 GB/s, benchmarks/results/history/vm3_packed_bound.json). A pack's is
+// a staging chunk the transport reads next: streamed only when too large to stay cached anyway.
 constexpr int64_t kDefaultStreamingMinBytes[2] = {16 << 20, 0};  // by Direction: Pack, Unpack
 std::atomic<int64_t> g_streaming_min_bytes[2] = {kDefaultStreamingMinBytes[0], kDefaultStreamingMinBytes[1]};
 

@@ -155,7 +155,7 @@ class RunCopier {
   // k/kCount of the way into its run and wraps around: lanes in lockstep at the same offset touch addresses
   // with the same low 12 bits (page-aligned pieces), which the core treats as possible store-to-load
   // dependences (4K aliasing): on one EPYC VM that ran packs at 0.22-0.51x of memcpy, staggered 0.71-1.03x
-  // (benchmarks/results/vm4_pack_cpu_before.json and vm4_pack_cpu.json).
+  // (benchmarks/results/history/vm4_pack_cpu_before.json and vm4_pack_cpu.json).
   template <int kCount>
   void stream_lanes() {
     const int64_t lines = length_ / kLine;  // whole lines: operator() and copy_rows queue only those

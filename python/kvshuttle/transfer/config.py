@@ -45,14 +45,14 @@ class EngineConfig:
     port: int = 0  # side-channel port; 0 picks a free one (see serve())
     # The registered staging pool: ``staging_chunks`` slots of ``staging_chunk_bytes`` each; one chunk of a
     # packed read fills one slot. 16 MiB chunks measured best (packed 2.3-2.7x direct at depth 4 / 2, against
-    # 1.1-1.3x at 1 MiB on the earlier VM: benchmarks/results/vm2old_transfer_chunks.json; today's VM: 1.5x
+    # 1.1-1.3x at 1 MiB on the earlier VM: benchmarks/results/history/vm2old_transfer_chunks.json; today's VM: 1.5x
     # against 0.7x, vm2_transfer_chunks.json); depths 2 and 4 are within noise there.
     staging_chunk_bytes: int = 16 << 20
     staging_chunks: int = 8  # slots in the pool (0: no packed path): 2 reads at full depth
     pipeline_depth: int = 4  # slots one packed read holds on each side
     # auto path: the prior of each peer's path model (transfer/path_model.py) before it has measured both paths
     # for a kind of read: runs of blocks below this go packed. Measured once on the 2-core VM (UCX over CMA,
-    # scattered ids: benchmarks/results/vm2old_transfer_pieces.json), the crossover lay between 16 and 32 KiB;
+    # scattered ids: benchmarks/results/history/vm2old_transfer_pieces.json), the crossover lay between 16 and 32 KiB;
     # on a faster VM direct won at 4 KiB already, which is why the model measures instead.
     packed_threshold_bytes: int = 32 << 10
     # auto path: once both paths are measured for a kind of read, every this-many-th decision tries the slower
