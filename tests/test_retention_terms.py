@@ -162,3 +162,22 @@ def test_least_recently_used_order() -> None:
     assert lru.victim() == "c"
     lru.admit("c")  # evictable again after a read: a touch
     assert [lru.victim(), len(lru)] == ["a", 2]
+
+
+# ------------------------------------------------------------------------- consumers take these defaults
+def test_the_planner_and_the_router_take_their_defaults_from_the_terms() -> None:
+    import argparse
+    import inspect
+
+    from kvshuttle.planner import cli as plan_cli
+    from kvshuttle.planner.simulate import simulate
+    from kvshuttle.router.main import add_arguments
+
+    assert inspect.signature(simulate).parameters["ttl_s"].default == DEFAULT_TTL_S
+    planner = argparse.ArgumentParser()
+    plan_cli.add_arguments(planner)
+    assert float(planner.parse_args([]).ttl.split(",")[-1]) == DEFAULT_TTL_S
+    router = argparse.ArgumentParser()
+    add_arguments(router)
+    args = router.parse_args(["--prefill", "http://h:1", "--decode", "http://h:2"])
+    assert (args.ttl, args.decode_ttl, args.reads) == (DEFAULT_ROUTER_TTL_S, DEFAULT_TTL_S, ROUTER_READ_MODE)

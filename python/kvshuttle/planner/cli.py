@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..retention.terms import DEFAULT_TTL_S
 from .errors import PlannerError
 from .profile import PROFILE_NAMES, load_profile
 from .simulate import Threshold
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fresh_fraction, start_window_s, seed")
     parser.add_argument("--profile", default="h200-efa-qwen3-32b",
                         help=f"{' | '.join(PROFILE_NAMES)} | a JSON file (default: h200-efa-qwen3-32b)")
-    parser.add_argument("--ttl", default="60,240,480", help="decoder_kv_blocks_ttl values (s), comma-separated")
+    parser.add_argument("--ttl", default=f"60,240,{DEFAULT_TTL_S:g}",
+                        help="decoder_kv_blocks_ttl values (s), comma-separated")
     parser.add_argument("--threshold", default="64,256,1024",
                         help="kv_recompute_threshold values (tokens; 'cost': the policy's cost model)")
     parser.add_argument("--prefill-workers", type=int, default=1,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..retention.terms import DEFAULT_TTL_S
 from .profile import QWEN3_32B, CostProfile, fit_prefill
 from .simulate import PreparedTrace, simulate, summarize
 from .trace import Trace, uniform_trace
@@ -93,7 +94,7 @@ def h200_profile() -> CostProfile:
 def reproduce(profile: CostProfile | None = None) -> list[dict[str, Any]]:
     """Planner TTFT off/on per PFX of the published sweep, next to the published end points.
 
-    ``off`` = every turn recomputed (cache_miss), ``on`` = reverse reads (TTL 480 s, threshold 64), each the
+    ``off`` = every turn recomputed (cache_miss), ``on`` = reverse reads (the default TTL, threshold 64), each the
     mean over all 100 turns of the point, as the blog averages per prompt length; ``layered`` = the same reverse
     reads, layer-pipelined (a prediction: what kvshuttle's layered mode would gain there).
     """
@@ -102,9 +103,9 @@ def reproduce(profile: CostProfile | None = None) -> list[dict[str, Any]]:
     for pfx in PFX_POINTS:
         prepared = PreparedTrace(blog_trace(pfx), profile.block_size)
         off = summarize(simulate(prepared, profile, mode="cache_miss"))
-        on_run = simulate(prepared, profile, mode="reverse_read", ttl_s=480.0, threshold=64)
+        on_run = simulate(prepared, profile, mode="reverse_read", ttl_s=DEFAULT_TTL_S, threshold=64)
         on = summarize(on_run)
-        layered = summarize(simulate(prepared, profile, mode="reverse_read", ttl_s=480.0, threshold=64,
+        layered = summarize(simulate(prepared, profile, mode="reverse_read", ttl_s=DEFAULT_TTL_S, threshold=64,
                                      layered=True))
         reads = [b for b in on_run.bytes_moved if b > 0]
         row: dict[str, Any] = {

@@ -68,6 +68,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..policy import KVHandle, PolicyConfig, PromptDigests, block_digests, decide
+from ..retention.terms import DEFAULT_TTL_S
 from .errors import PlannerError
 from .profile import GIB, CostProfile
 from .trace import Trace
@@ -261,7 +262,7 @@ def _handle(turn: _Prepared, block_size: int, end: float, ttl_s: float, conv: in
                     block_size=block_size, digests=turn.handle_digests, issued_at=end, ttl_s=ttl_s)
 
 
-def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = 480.0,
+def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = DEFAULT_TTL_S,
              threshold: Threshold = 64, expiry_margin_s: float = 5.0, prefill_workers: int = 1,
              queue: bool = False, seed: int = 0, layered: bool = False,
              placement: Placement = NO_PLACEMENT, one_at_a_time: bool = False) -> ModeRun:
