@@ -27,6 +27,7 @@ import numpy as np
 from ..policy.decision import Decision, PolicyConfig, decide, parse_handle
 from ..policy.digests import PERSON, PromptDigests, block_digests
 from ..policy.kv_handle import KVHandle
+from ..retention.terms import DEFAULT_TTL_S
 from ..trust import DeploymentSecret
 from .schema import envelope
 from .timing import interleaved_rounds, medians, speedups
@@ -54,7 +55,7 @@ def make_handle(remote: np.ndarray[Any, Any], block_size: int, expiry_in: float 
     handle = KVHandle(engine_id="decode-0", request_id="req-0", host="127.0.0.1", port=5600,
                       block_ids=tuple(range(7, 7 + len(digests))), num_tokens=len(remote),
                       expiry_time=NOW + expiry_in, tp_size=1, handle_id="0" * 32, generation=1,
-                      block_size=block_size, digests=tuple(digests), issued_at=NOW, ttl_s=480.0)
+                      block_size=block_size, digests=tuple(digests), issued_at=NOW, ttl_s=DEFAULT_TTL_S)
     parsed = parse_handle(handle.to_kv_transfer_params(BENCH_SECRET), secret=BENCH_SECRET)
     if not isinstance(parsed, KVHandle):
         raise AssertionError(f"the bench's own handle did not parse: {parsed.message}")

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..retention import RetentionLedger
+from ..retention import RetentionLedger, RetentionTerms
 from .schema import envelope
 
 DIGEST = b"0123456789abcdef"
@@ -69,8 +69,9 @@ def _per_op_us(fn: Callable[[], object], ops: int, repeat: int) -> float:
 def _measure_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
     per = args.blocks_per_handle
     clock = _Clock()
-    ledger = RetentionLedger("bench", "127.0.0.1", 5600, ttl_s=1e9, mode="multi_read", clock=clock,
-                             wall_clock=clock)
+    # nothing expires during the run; multi-read, so a claim does not end its handle
+    ledger = RetentionLedger("bench", "127.0.0.1", 5600, terms=RetentionTerms(ttl_s=1e9, read_mode="multi_read"),
+                             clock=clock, wall_clock=clock)
     digests = [DIGEST] * per
     tokens = per * 16
     start = time.perf_counter()

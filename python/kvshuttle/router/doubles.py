@@ -43,6 +43,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..policy.kv_handle import KVHandle
+from ..retention.terms import DEFAULT_TTL_S
 from ..trust import GRANT_FIELD, DeploymentSecret, grant_valid
 
 BLOCK_SIZE = 16
@@ -270,8 +271,9 @@ class FakeVllm:
                     "remote_block_ids": [4, 5, 6], "remote_host": "127.0.0.1", "remote_port": 5600,
                     "remote_request_id": rid, "tp_size": 1}
         now = time.time()
-        handle = KVHandle(self.name, rid, self.kv_host, self.kv_port, (4, 5, 6), 3 * BLOCK_SIZE, now + 480.0, 1,
-                          secrets.token_urlsafe(12), 0, BLOCK_SIZE, (b"\x01" * 16,) * 3, now, 480.0)
+        handle = KVHandle(self.name, rid, self.kv_host, self.kv_port, (4, 5, 6), 3 * BLOCK_SIZE,
+                          now + DEFAULT_TTL_S, 1, secrets.token_urlsafe(12), 0, BLOCK_SIZE, (b"\x01" * 16,) * 3,
+                          now, DEFAULT_TTL_S)
         params = {**handle.to_kv_transfer_params(None if self.behaviour == "unsigned" else self.secret),
                   "do_remote_decode": True, "do_remote_prefill": False}
         if self.behaviour == "forged":  # a valid MAC over other blocks: an edit the router must catch
