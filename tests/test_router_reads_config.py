@@ -47,3 +47,25 @@ def test_other_words_are_refused(word: str) -> None:
         RouterConfig(P, D, reads=word).check()  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         _args("--reads", word)
+
+
+def _params(reads: str | None) -> dict[str, object]:
+    return {"kvshuttle_handle_id": "h", **({"kvshuttle_reads": reads} if reads is not None else {})}
+
+
+def test_a_handle_names_its_read_mode_and_the_setting_is_the_fallback() -> None:
+    multi, once = RouterConfig(P, D, reads="multi_read").check(), RouterConfig(P, D, reads="use_once").check()
+    assert multi.read_mode_of(_params("use_once")) == "use_once" and once.read_mode_of(_params("multi_read")) == \
+        "multi_read"
+    for config in (multi, once):  # a handle that does not say (NixlConnector, an older decode), or says nonsense
+        assert config.read_mode_of(_params(None)) == config.reads == config.read_mode_of(None)
+        assert config.read_mode_of(_params("twice")) == config.reads
+
+
+def test_who_releases_a_handle_it_has_no_use_for() -> None:
+    multi, once = RouterConfig(P, D, reads="multi_read").check(), RouterConfig(P, D, reads="use_once").check()
+    # taken from the store (use_once): no other turn has it, whatever the decode's mode (unchanged behaviour)
+    assert once.sole_user(_params("multi_read")) and once.sole_user(_params("use_once")) and once.sole_user(None)
+    # kept in the store (multi_read): concurrent turns may read a multi-read handle, never a use-once one
+    assert not multi.sole_user(_params("multi_read")) and not multi.sole_user(_params(None))
+    assert multi.sole_user(_params("use_once"))

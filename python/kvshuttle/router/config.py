@@ -12,10 +12,11 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
 from ..errors import shown
+from ..policy.kv_handle import PREFIX
 from ..retention.errors import RetentionArgumentError
 from ..retention.terms import (
     DEFAULT_ROUTER_TTL_S,
@@ -259,6 +260,18 @@ class RouterConfig:
             raise RouterConfigError("kv=HOST:PORT is kvshuttle's decode side channel; vLLM's NixlConnector has "
                                     "none (drop the suffix or use --connector kvshuttle)")
         return self
+
+    def read_mode_of(self, params: dict[str, Any] | None) -> Reads:
+        """A stored handle's read mode: its own word (``kvshuttle_reads``, under the MAC checked before it was
+        stored), else this router's ``reads`` (vLLM's NixlConnector, decodes before handle wire version 4)."""
+        word = params.get(PREFIX + "reads") if params else None
+        return word if isinstance(word, str) and word in READ_MODES else self.reads
+
+    def sole_user(self, params: dict[str, Any] | None) -> bool:
+        """Whether the turn that looked up this handle is the only one that can still use it, so that it releases
+        the handle once it has no use for it (superseded, unread): the router took it from the store (``reads``
+        use_once), or the handle itself is use-once (no other turn could read it, whatever the router's setting)."""
+        return self.reads == "use_once" or self.read_mode_of(params) == "use_once"
 
     @property
     def tenants(self) -> bool:
