@@ -14,12 +14,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from ..errors import shown
+from ..policy.kv_handle import READ_MODES as READ_MODES  # re-exported: the retention words are the handle's
+from ..policy.kv_handle import ReadMode as ReadMode
 from ._checks import check_count, check_positive
 from .errors import RetentionArgumentError
 from .eviction import EVICTION_POLICIES, EvictionPolicy
 
-ReadMode = Literal["multi_read", "use_once"]
-READ_MODES: tuple[ReadMode, ...] = ("multi_read", "use_once")
 # Words accepted on input for a deployment's sake, never produced: the router's --reads said "multi" before.
 READ_MODE_ALIASES: dict[str, ReadMode] = {"multi": "multi_read"}
 # "granted": keep blocks only for requests carrying a router's grant (a direct client cannot make an engine hold
