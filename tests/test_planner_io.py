@@ -249,3 +249,19 @@ def test_validation_of_layered_rows_reuses_what_the_connector_read() -> None:
     assert all(x["predicted_reused"] == x["measured_reused"] and x["measured_reused"] % 32 == 0 for x in layered)
     assert {"kvshuttle", "nixl", "kvshuttle_layered", "floor"} <= set(result["profiles"])
     assert all(result["profiles"][k]["num_layers"] == 8 for k in result["profiles"])
+
+
+def test_the_glm5_fp8_profile_reads_the_mla_shapes_bytes_on_every_rank() -> None:
+    """The seed's 3.3x case: GLM-5-FP8's cache as vLLM holds it (fp8_ds_mla cells and the DSA indexer, 788 B per
+    token and layer, 78 layers), replicated on every TP rank; off fitted, on predicted near the published points."""
+    glm = load_profile("h200-efa-glm5-fp8")
+    assert glm.kv_bytes_per_token == 78 * (656 + 132) == 61_464 and glm.kv_heads == 1
+    assert glm.rank_kv_bytes_per_token == glm.kv_bytes_per_token  # MLA: each of the 8 ranks reads all of it
+    rows = {r["pfx"]: r for r in reproduce(glm)}
+    assert set(rows) == {2000, 4000, 8000, 12000, 16000, 20000}
+    for pfx, (off, on) in ((2000, (0.500, 0.358)), (20000, (2.334, 0.702))):
+        assert rows[pfx]["off_s"] == pytest.approx(off, rel=1e-6)  # the fit
+        assert rows[pfx]["on_s"] == pytest.approx(on, rel=0.15)  # the prediction: within 15 % of what was published
+    assert rows[20000]["read_s"] == pytest.approx(0.110, rel=0.05) and rows[2000]["read_s"] == pytest.approx(0.029,
+                                                                                                              rel=0.05)
+    assert rows[20000]["off_s"] / rows[20000]["on_s"] > 3.0  # the published 3.3x, predicted

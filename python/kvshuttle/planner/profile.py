@@ -35,8 +35,8 @@ them. A profile measured or fitted at one TP size describes that TP size; changi
 the reads (and the bytes held) under the same per-rank link and the same compute.
 
 Profiles come from a name (:data:`PROFILE_NAMES`: ``measured``, fitted on this machine's end-to-end runs, see
-:mod:`.validate`; ``h200-efa-qwen3-32b``, from the published numbers, see :mod:`.published`) or a JSON file with
-the fields of :class:`CostProfile`.
+:mod:`.validate`; ``h200-efa-qwen3-32b`` and ``h200-efa-glm5-fp8``, from the published numbers, see
+:mod:`.published`) or a JSON file with the fields of :class:`CostProfile`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import numpy as np
 from .errors import ProfileError
 
 GIB = float(1 << 30)
-PROFILE_NAMES = ("measured", "h200-efa-qwen3-32b")
+PROFILE_NAMES = ("measured", "h200-efa-qwen3-32b", "h200-efa-glm5-fp8")
 
 
 @dataclass(frozen=True)
@@ -298,10 +298,10 @@ def load_profile(spec: str | CostProfile) -> CostProfile:
     if spec == "measured":
         text = resources.files("kvshuttle.planner").joinpath("data", "measured.json").read_text("utf-8")
         return CostProfile.from_dict(json.loads(text), source="measured")
-    if spec == "h200-efa-qwen3-32b":
+    if spec in PROFILE_NAMES[1:]:
         from .published import h200_profile
 
-        return h200_profile()
+        return h200_profile(spec)
     path = Path(spec)
     if not path.is_file():
         raise ProfileError(f"no profile {spec!r}: use one of {', '.join(PROFILE_NAMES)} or a JSON file")
