@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate every CPU benchmark JSON in benchmarks/results/, one command each, named <machine>_<bench>.json.
-# The 2-core VM kind has differed between sessions: vm5_* (a VM reporting the same CPU and L3 as vm4: issue 19's
-# sixth session, the lane tuner; vm5_pack_cpu_before.json is main at c501253, vm5_*_repeat.json the same binary
-# minutes earlier), vm4_* (2-vCPU AMD EPYC, 32 MiB L3: pack and transfer before and after issue 19's fifth
-# session, the piece sweep, 1,536 blocks, the packed pipeline's bound, chunk cost and CPU budget), vm3_* (a VM
-# reporting the same CPU, whose copies behaved differently: pack, transfer, small reads, chunk sweeps: issue 19's
-# second to fourth sessions), vm2_* (2-vCPU Xeon, 480 MiB L3: everything else), vm2old_* (an earlier VM),
-# vm2_pack_cpu_before.json (main's copy code at 7957465), vm3_transfer_small_before.json (main at 0857aa8) and
-# vm4_*_before.json (main at 50aeb29) are kept as they are.
+# Earlier machines' files (vm4_*, vm3_*, ..., the *_before and *_repeat runs) are in results/history/, each named
+# in benchmarks/HISTORY.md. After a run, point report.TABLES at the new files and regenerate the README's tables:
+# kvshuttle bench report --write benchmarks/README.md.
 # Usage: bash benchmarks/run_cpu.sh [outdir] [machine]   (defaults: benchmarks/results, vm5; 6-10 minutes on 2 vCPUs)
 # The GPU files (h200*) come from benchmarks/gpu_check.sh on a GPU machine.
 # vm2_e2e.json needs the vLLM environment: see "End to end in vLLM" in benchmarks/README.md for its command.

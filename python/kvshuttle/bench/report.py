@@ -293,7 +293,8 @@ TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
     "e2e": e2e, "placement": placement, "router": router,
 }
-BLOCK = re.compile(r"(<!-- report:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(\n<!-- /report -->)", re.S)
+# A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".
+BLOCK = re.compile(r"<!-- report:(?P<name>[a-z0-9_]+) -->\n(?P<body>(?:(?!<!-- /?report).)*?)\n?<!-- /report -->", re.S)
 
 
 def render(directory: Path, names: Iterable[str] | None = None) -> dict[str, Table]:
@@ -318,8 +319,8 @@ def stale_blocks(readme: str, tables: dict[str, Table]) -> list[str]:
 def rewrite(readme: str, tables: dict[str, Table]) -> str:
     """The README with every generated block replaced by its table."""
     def block(m: re.Match[str]) -> str:
-        name = m["name"]
-        return m.group(1) + (tables[name].markdown() if name in tables else m["body"]) + m.group(4)
+        body = tables[m["name"]].markdown() if m["name"] in tables else m["body"]
+        return f"<!-- report:{m['name']} -->\n{body}\n<!-- /report -->"
 
     return BLOCK.sub(block, readme)
 
