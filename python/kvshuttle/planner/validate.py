@@ -29,14 +29,15 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..bench.cost_inputs import cost_inputs_from_bench
 from .errors import PlannerError, ProfileError
 from .profile import CostProfile, fit_prefill
 from .simulate import Mode, PreparedTrace, simulate
 from .trace import Trace, uniform_trace
+from .transfer_costs import cost_inputs_from_bench
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 8 * 8 * 64 * 4  # TinyLlamaSpec(): 8 layers x 8 KV heads x 64 x fp32 x K/V
 E2E_BLOCK_SIZE = 32
@@ -49,17 +50,18 @@ TINY_LAYERS = 8  # TinyLlamaSpec().layers
 TARGET = 0.20
 
 
-def _repo_results() -> Path:
-    return Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+def measured_path(name: str) -> Path:
+    """A measurement shipped with the package (``planner/data/validation/``: copies of the runs of
+    ``benchmarks/results/`` the validation defaults to), so an installed planner validates without a checkout."""
+    path = Path(str(resources.files("kvshuttle.planner").joinpath("data", "validation", name)))
+    if not path.is_file():
+        raise PlannerError(f"the package holds no {name} (an incomplete install?): pass the file explicitly")
+    return path
 
 
 def default_e2e_path() -> Path:
-    """``benchmarks/results/vm2_e2e.json`` of this checkout (or of the current directory)."""
-    for base in (_repo_results(), Path.cwd() / "benchmarks" / "results"):
-        if (base / "vm2_e2e.json").is_file():
-            return base / "vm2_e2e.json"
-    raise PlannerError("no benchmarks/results/vm2_e2e.json here: pass --validate FILE (a 'kvshuttle bench e2e "
-                       "--json' output)")
+    """The shipped copy of ``benchmarks/results/vm2_e2e.json`` (:func:`measured_path`)."""
+    return measured_path("vm2_e2e.json")
 
 
 def default_transfer_paths(e2e_path: Path) -> list[Path]:

@@ -40,17 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..bench.cost_inputs import cost_inputs_from_bench
-from ..bench.e2e.placement import BLOCK
 from .errors import PlannerError
 from .profile import CostProfile, fit_prefill
 from .simulate import Mode, ModeRun, Placement, PreparedTrace, simulate
 from .trace import Conversation, Trace, TurnSpec
-from .validate import TARGET, TINY_KV_BYTES_PER_TOKEN, TINY_LAYERS, default_transfer_paths
+from .transfer_costs import cost_inputs_from_bench
+from .validate import TARGET, TINY_KV_BYTES_PER_TOKEN, TINY_LAYERS, default_transfer_paths, measured_path
 
 _TURN_FIELDS = ("conversation", "turn", "ttft_s", "latency_s", "placement", "prefill", "prompt_tokens",
                 "local_tokens", "read_tokens", "computed_tokens")
 TOKEN_KINDS = ("local", "read", "computed")
+BLOCK = 32  # the placement bench's block size (kvshuttle.bench.e2e.placement.BLOCK; a test holds them equal)
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,8 @@ FLOOR = "floor"
 
 
 def default_placement_path() -> Path:
-    """``benchmarks/results/vm2_placement.json`` of this checkout (or of the current directory)."""
-    for base in (Path(__file__).resolve().parents[3], Path.cwd()):
-        path = base / "benchmarks" / "results" / "vm2_placement.json"
-        if path.is_file():
-            return path
-    raise PlannerError("no benchmarks/results/vm2_placement.json here: pass --validate-placement FILE (a "
-                       "'kvshuttle bench placement --json' output)")
+    """The shipped copy of ``benchmarks/results/vm2_placement.json`` (:func:`~.validate.measured_path`)."""
+    return measured_path("vm2_placement.json")
 
 
 def load_placement(path: str | Path) -> dict[str, Any]:
