@@ -58,6 +58,7 @@ from ._checks import (
     check_time,
 )
 from ._heap import DeadlineHeap
+from .blocks import BlockTable
 from .errors import (
     UNAVAILABLE,
     BudgetExceededError,
@@ -67,7 +68,7 @@ from .errors import (
     StaleHandleError,
     TamperedHandleError,
 )
-from .records import Claim, _Block, _equal, _extends, _OpenClaim, _remember, _Retained
+from .records import Claim, _equal, _OpenClaim, _remember, _Retained
 from .terms import READ_MODES, ReadMode, RetentionTerms
 
 Mode = ReadMode  # the ledger's older names for the read mode
@@ -134,9 +135,7 @@ class RetentionLedger:
         self._lock = threading.Lock()
         self._handles: dict[str, _Retained] = {}  # live handles
         self._evictable = self.terms.eviction_policy()  # live handles without reads in flight, in eviction order
-        self._blocks: dict[int, _Block] = {}
-        self._gen: dict[int, int] = {}  # block -> epoch of its last return to the allocator (0: never)
-        self._epoch = 0
+        self._blocks = BlockTable()
         # Handles with reads in flight: their blocks are pinned. Kept per handle, not per block, so a claim costs
         # O(1) whatever the handle's size; the pinned block set is derived when the budget or metrics need it.
         self._reading: set[_Retained] = set()
@@ -242,7 +241,7 @@ class RetentionLedger:
         def take_back() -> None:
             if block in self._blocks:
                 self._counts["taken_back"] += 1
-            for holder in self._take_back(block):
+            for holder in self._blocks.take_back(block):
                 if holder.ended is None:
                     self._end(holder, "stale")
         self._call(take_back)
@@ -270,11 +269,11 @@ class RetentionLedger:
     def generation(self, block_id: int) -> int:
         block_id = check_block(block_id)
         with self._lock:
-            return self._gen.get(block_id, 0)
+            return self._blocks.generation(block_id)
 
     def retained_block_ids(self) -> frozenset[int]:
         with self._lock:
-            return frozenset(self._blocks)
+            return self._blocks.ids()
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -287,7 +286,7 @@ class RetentionLedger:
                 "retained_blocks": len(self._blocks),
                 "retained_bytes": len(self._blocks) * self.bytes_per_block,
                 "budget_blocks": self.budget_blocks,
-                "pinned_blocks": len(self._pinned_blocks()),
+                "pinned_blocks": len(self._blocks.pinned(self._reading)),
                 "live_handles": len(self._handles),
                 "draining_handles": self._draining,
                 "claims_in_flight": len(self._claims),
@@ -330,26 +329,16 @@ class RetentionLedger:
                            block_size, tp_size, now + ttl)
         handle.once = once
         new = sum(1 for b in ids if b not in self._blocks)
-        superseded: list[_Retained] = []
-        for k, b in enumerate(ids):  # attach first, so that no block of this request can be freed under us
-            record = self._blocks.get(b)
-            if record is not None and not _extends(record, k, digs[k], handle.valid(k)):
-                self._counts["superseded"] += 1  # the block was reused behind our back: its holders are stale
-                superseded += self._take_back(b)
-                record = None
-            if record is None:
-                self._blocks[b] = _Block(k, digs[k], handle.valid(k), handle)
-            else:
-                record.holders.append(handle)
-                if handle.valid(k) > record.valid:
-                    record.valid, record.digest = handle.valid(k), digs[k]
+        # attach first, so that no block of this request can be freed under us
+        superseded, reused = self._blocks.attach(handle)
+        self._counts["superseded"] += reused
         for holder in superseded:
             if holder.ended is None:
                 self._end(holder, "stale")
         self._sweep(now)  # after attaching (a shared block must survive its old holder), before evicting
         limit = self.budget_blocks
         if limit is not None and len(self._blocks) > limit:
-            pinned = self._pinned_blocks()
+            pinned = self._blocks.pinned(self._reading)
             unevictable = len(pinned.union(ids))
             if unevictable > limit:
                 self._refusals["budget"] += 1
@@ -357,12 +346,12 @@ class RetentionLedger:
                            f"{limit} blocks: {len(self._blocks) - new} retained, {len(pinned)} pinned by reads in "
                            "flight; free the request's blocks normally (caller_frees) and let the next turn "
                            "recompute, or raise the budget")
-                raise BudgetExceededError(message, caller_frees=self._detach(handle))
+                raise BudgetExceededError(message, caller_frees=self._blocks.detach(handle))
             while len(self._blocks) > limit:  # the check above counted the room: a victim is always there
                 self._end(self._handles[self._evictable.victim()], "evicted")
         # >= every generation of its blocks (staleness itself is tracked by the reused flag, so an issuer's value
         # only has to match what readers present)
-        handle.generation = self._epoch if generation is None else generation
+        handle.generation = self._blocks.epoch if generation is None else generation
         self._handles[handle.handle_id] = handle
         self._evictable.admit(handle.handle_id)
         self._expiry.push(handle.expiry, handle)
@@ -514,56 +503,9 @@ class RetentionLedger:
 
     def _drop_holds(self, handle: _Retained) -> None:
         self._released.append(handle.request_id)
-        for b in handle.block_ids:
-            record = self._blocks.get(b)
-            if record is None:
-                continue  # taken back by the owner already
-            try:
-                record.holders.remove(handle)  # identity: _Retained has no __eq__
-            except ValueError:
-                continue  # the block was taken back and retained anew by someone else
-            if not record.holders:
-                del self._blocks[b]
-                self._bump(b)
-                self._pending.append(b)
-                self._counts["freed_blocks"] += 1
-
-    def _take_back(self, block: int) -> list[_Retained]:
-        """The owner has ``block`` back (or reused it): forget it without on_free. Returns its holders, now stale:
-        the caller ends them."""
-        self._bump(block)
-        record = self._blocks.pop(block, None)
-        if record is None:
-            return []
-        for holder in record.holders:
-            holder.reused.add(block)
-        return record.holders
-
-    def _detach(self, handle: _Retained) -> list[int]:
-        """Undo a refused retain's attach; returns the blocks no one else holds (the caller's to free)."""
-        frees = []
-        for b in handle.block_ids:
-            record = self._blocks[b]
-            record.holders.remove(handle)
-            if not record.holders:  # no read in flight: its only holder was never claimed
-                del self._blocks[b]
-                self._bump(b)
-                frees.append(b)
-        return frees
-
-    def _bump(self, block: int) -> None:
-        self._epoch += 1
-        self._gen[block] = self._epoch
-
-    def _pinned_blocks(self) -> set[int]:
-        """Retained blocks that a handle with a read in flight still holds."""
-        pinned: set[int] = set()
-        for handle in self._reading:
-            for b in handle.block_ids:
-                record = self._blocks.get(b)
-                if record is not None and any(h is handle for h in record.holders):
-                    pinned.add(b)
-        return pinned
+        freed = self._blocks.release(handle)
+        self._pending += freed
+        self._counts["freed_blocks"] += len(freed)
 
     def _pop_claim(self, claim_id: str) -> _OpenClaim | None:
         record = self._claims.pop(claim_id, None)
