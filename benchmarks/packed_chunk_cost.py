@@ -7,7 +7,7 @@ prints one JSON object: the wall time per chunk and each process's CPU time per 
 thread), with the command and the machine (``kvshuttle.bench.schema.machine``). With 64 KiB
 chunks the copies take a few microseconds, so what is left is the per-chunk protocol: side-channel messages,
 NIXL transfer creation and post, the hand-off to the unpack worker, each call's validation. That is what a chunk small
-enough to stay in cache would have to pay (benchmarks/README.md, "NIXL reads between two processes").
+enough to stay in cache would have to pay (benchmarks/HISTORY.md, "Unpacks on a native worker").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 // Why measured: reading 1 source page at a time or 4 pages in turn is a property of the host's prefetchers, and
 // it flips between machines of one cloud kind and between shapes on one machine. On the vm4 EPYC VM, packs of
 // 32 KiB pieces ran at 0.86x of memcpy with 1 lane and 0.76x with 4, TP8's 4 KiB pieces at 0.82x and 0.92x; on a
-// Xeon VM lanes took scattered packs from 0.65x to memcpy speed (benchmarks/README.md "Pack / unpack").
+// Xeon VM lanes took scattered packs from 0.65x to memcpy speed (benchmarks/HISTORY.md, "RunCopier").
 //
 // The rules are transfer/path_model.py's (the auto path's model of direct against packed reads): per kind of copy
 // (CopyShape: direction, geometry and threads, not size or addresses) the rates (bytes / wall seconds) of the
