@@ -263,7 +263,7 @@ def test_a_peer_cannot_hold_more_than_its_share(owner: dict[str, Any]) -> None:
     {"op": "claim_done", "claim_id": "c", "ok": "yes"},
     {"op": "renew_retention", "handle_id": "h", "ttl_s": "forever"},
     {"op": "renew_retention", "handle_id": "h", "ttl_s": float("inf")},
-    {"op": "release", "tid": 3, "chunk": "0"},
+    {"op": "free_chunk", "tid": 3, "chunk": "0"},
     {"op": "abort", "tid": "t", "keep": "all"},
     {"op": "abort", "tid": "t", "keep": list(range(65))},
     {"op": "nonsense"},
@@ -276,7 +276,7 @@ def test_malformed_ops_get_a_named_refusal(owner: dict[str, Any], message: dict[
         reply = conn.receive(3.0, "a reply")
     finally:
         conn.close()
-    if message["op"] in ("release", "abort"):
+    if message["op"] in ("free_chunk", "abort"):
         assert reply is not None and reply["kind"] == "protocol"
     else:
         assert reply is not None and reply["op"] in ("refused", "error"), reply

@@ -256,11 +256,11 @@ class OwnerService:
             return {"op": "pong", "jobs": self.active_jobs}
         if op == "pack":
             return self._pack(identity, message)
-        if op in ("claim", "claim_done", "renew_retention", "release_retention"):  # "release" frees a chunk
+        if op in ("claim", "claim_done", "renew_retention", "release_retention"):
             return serve_claim(self.claims, message, reader=identity.hex(), secret=self.secret)
         if op == "take_published":
             return serve_take(self.board, message)
-        if op in ("release", "abort"):
+        if op in ("free_chunk", "abort"):  # a packed read's staging slots
             tid, chunk, keep = message.get("tid"), message.get("chunk", 0), message.get("keep", [])
             if not isinstance(tid, str) or type(chunk) is not int:
                 raise ProtocolError(f"{op} needs a string 'tid' and an int 'chunk'")
@@ -269,7 +269,7 @@ class OwnerService:
             with self._lock:
                 job = self._jobs.get((identity, tid))  # only the connection that asked can touch its job
             if job is not None:
-                if op == "release":
+                if op == "free_chunk":
                     job.release(chunk)
                 else:
                     job.abort(keep)

@@ -6,7 +6,7 @@ chunk i+1 while this thread READs chunk i into a local staging slot and the engi
 scatters chunk i-1 into the paged cache. A chunk's local blocks become valid when its unpack finishes;
 on any failure the handle lists exactly the blocks of chunks not unpacked. A chunk READ that NIXL still reports
 in flight when the read ends early is retired through the quarantine: its local slot stays out of the pool, the
-owner is told to keep its slot (``abort`` with ``keep``) and is sent its ``release`` once NIXL reports the READ
+owner is told to keep its slot (``abort`` with ``keep``) and is sent its ``free_chunk`` once NIXL reports the READ
 over, and only then is the handle's ``settlement`` settled.
 """
 
@@ -299,7 +299,7 @@ class _Pipeline:
             read = s.quarantine.retire(xfer, f"packed transfer {self.transfer_id}, chunk {chunk.index}")
             if not read.done():  # it may still write this slot: kept out of the pool until it cannot
                 self._in_flight = (chunk.index, slot, read)
-        conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk.index})
+        conn.send({"op": "free_chunk", "tid": self.transfer_id, "chunk": chunk.index})
         last = len(self._done_chunks) + slots.copying + 1 == len(s.chunks)  # no READ left to overlap
         slots.start(chunk.index, slot, (s.last_unpacker if last else s.unpacker).unpack(
             s.pool.array(slot, chunk.nbytes), s.cache, s.local_ids[chunk.local], num_tokens=chunk.num_tokens,
@@ -347,7 +347,7 @@ class _Pipeline:
         """A chunk READ left in flight is over (NIXL says so): its slot on both sides may be used again."""
         if healthy:
             try:
-                conn.send({"op": "release", "tid": self.transfer_id, "chunk": chunk})
+                conn.send({"op": "free_chunk", "tid": self.transfer_id, "chunk": chunk})
             except PeerLostError:
                 healthy = False
         self._s.peer.checkin(conn, healthy)
