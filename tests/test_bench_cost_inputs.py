@@ -76,7 +76,7 @@ def test_cost_inputs_reject(bench: dict[str, Any], kwargs: dict[str, Any]) -> No
 
 
 def test_cost_inputs_from_the_committed_transfer_results() -> None:
-    files = [RESULTS / "vm2_transfer.json", RESULTS / "vm2_transfer_1536.json"]
+    files = [RESULTS / "history" / "vm2_transfer.json", RESULTS / "history" / "vm2_transfer_1536.json"]
     inputs = cost_inputs_from_bench(files, shape="qwen3-32b-tp1")
     assert inputs["kv_bytes_per_token"] == 64 * 2 * 8 * 128 * 2
     assert 1e8 < inputs["bandwidth_bytes_per_s"] < 1e12 and 0 <= inputs["transfer_overhead_s"] < 1.0

@@ -3,8 +3,8 @@
 They are parsed by :mod:`kvshuttle.planner.transfer_costs` (the planner validates itself on shipped
 measurements without the bench: the bench builds on the planner, not the reverse).
 
-    inputs = cost_inputs_from_bench(["benchmarks/results/vm2_transfer.json",
-                                     "benchmarks/results/vm2_transfer_1536.json"], shape="qwen3-32b-tp1")
+    inputs = cost_inputs_from_bench(["benchmarks/results/vm5_transfer.json",
+                                     "benchmarks/results/vm5_transfer_1536.json"], shape="qwen3-32b-tp1")
     config = PolicyConfig(kind="cost", prefill_tokens_per_s=..., **inputs)
 """
 

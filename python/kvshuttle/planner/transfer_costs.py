@@ -4,8 +4,8 @@ bandwidth and per-read overhead (the policy only defines :class:`~kvshuttle.poli
 Here, in the planner, because the planner validates itself on shipped measurements (``data/validation/``)
 without the bench; :mod:`kvshuttle.bench.cost_inputs` is the bench's name for the same functions.
 
-    inputs = cost_inputs_from_bench(["benchmarks/results/vm2_transfer.json",
-                                     "benchmarks/results/vm2_transfer_1536.json"], shape="qwen3-32b-tp1")
+    inputs = cost_inputs_from_bench(["benchmarks/results/vm5_transfer.json",
+                                     "benchmarks/results/vm5_transfer_1536.json"], shape="qwen3-32b-tp1")
     config = PolicyConfig(kind="cost", prefill_tokens_per_s=..., **inputs)
 """
 
