@@ -43,7 +43,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from ..policy.kv_handle import KVHandle
-from ..retention.terms import DEFAULT_TTL_S
+from ..retention.terms import DEFAULT_READ_MODE, DEFAULT_TTL_S, ReadMode
 from ..trust import GRANT_FIELD, DeploymentSecret, grant_valid
 
 BLOCK_SIZE = 16
@@ -95,6 +95,7 @@ class FakeVllm:
         self.stream_params = stream_params  # vLLM 0.33: a stream's last chunk carries kv_transfer_params
         self.behaviour = "ok"
         self.read_tokens: int | None = None  # prefill: what it reports reading back for a handle (None: 3 blocks)
+        self.read_mode: ReadMode = DEFAULT_READ_MODE  # decode: the read mode its handles name (kvshuttle_reads)
         self.prewarms: list[dict[str, Any]] = []  # bodies of pre-warm requests (add_generation_prompt false)
         self.prewarm_gate: asyncio.Event | None = None  # set: pre-warms wait for it
         self.barrier = 0  # > 0: hold each request until this many have arrived (makes overlaps certain)
@@ -273,7 +274,7 @@ class FakeVllm:
         now = time.time()
         handle = KVHandle(self.name, rid, self.kv_host, self.kv_port, (4, 5, 6), 3 * BLOCK_SIZE,
                           now + DEFAULT_TTL_S, 1, secrets.token_urlsafe(12), 0, BLOCK_SIZE, (b"\x01" * 16,) * 3,
-                          now, DEFAULT_TTL_S)
+                          now, DEFAULT_TTL_S, read_mode=self.read_mode)
         params = {**handle.to_kv_transfer_params(None if self.behaviour == "unsigned" else self.secret),
                   "do_remote_decode": True, "do_remote_prefill": False}
         if self.behaviour == "forged":  # a valid MAC over other blocks: an edit the router must catch
