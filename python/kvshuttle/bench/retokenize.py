@@ -32,6 +32,7 @@ from .schema import envelope
 
 GENERATORS = ("canonical", "split", "random")
 PATHS = ("rerender", "exact_strict", "exact_lenient")
+CLOSING = "Thanks. One more question."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,14 +130,17 @@ def simulate(served: Served, chat: Chat, gen: Generator, tallies: dict[str, Tall
     system, turns = chat
     base: list[Message] = [{"role": "system", "content": system}] if system else []
     answers = [gen.answer(text) for _, text in turns]
+    users = [user for user, _ in turns] + [CLOSING]  # the closing turn measures the last answer too
     for path in PATHS:
         messages, kept = list(base), None
-        for k, (user, _) in enumerate(turns):
+        for k, user in enumerate(users):
             messages.append({"role": "user", "content": user})
             ids: Sequence[int] = served.encode(served.render(messages, True))
             if kept is not None:
                 ids = _next(path, kept, messages, served, ids, tallies[path])
                 count(tallies[path], kept.prompt_ids, kept.answer_ids, ids, block)
+            if k == len(turns):
+                break
             answer_ids = answers[k]
             text = served.visible(answer_ids)
             kept = KeptTurn(tuple(messages), tuple(ids), tuple(answer_ids), text)

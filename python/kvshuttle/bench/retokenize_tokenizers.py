@@ -79,7 +79,7 @@ class Served:
 
 @lru_cache(maxsize=16)
 def _compiled(template: str) -> Any:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # type: ignore[import-not-found, unused-ignore]
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(template)
