@@ -21,8 +21,8 @@ from .errors import TransferArgumentError, TransferError
 from .executors import BackgroundExecutor, CopyExecutor, HostExecutor, executor_for, import_cupy
 from .quarantine import Quarantine
 from .staging import StagingPool
+from .task_threads import TaskThreads
 from .transfer_handle import TransferHandle, TransferState
-from .workers import Workers
 
 if TYPE_CHECKING:
     from .owner_service import OwnerService
@@ -89,7 +89,7 @@ class Endpoint:
         elif self.pool.slots:  # without staging there are no packed reads, so no worker
             self._background = BackgroundExecutor()
             self.unpacks = self._background
-        self.pipelines = Workers("kvshuttle-read")  # the packed reads' pipelines (owners: their pack jobs)
+        self.pipelines = TaskThreads("kvshuttle-read")  # the packed reads' pipelines (owners: their pack jobs)
         self._agent = NixlAgent(config.name, config.backends, num_threads=config.num_threads,
                                 progress_delay_us=config.progress_delay_us)
         self.quarantine = Quarantine(self._agent)  # where reads that ended early wait until NIXL says they are over

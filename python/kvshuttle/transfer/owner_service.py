@@ -6,7 +6,7 @@ name a live claim and only blocks that claim covers (when the owner keeps a ledg
 unguessable capability that only ever travelled, encrypted, to the peer that claimed. A pack's chunks must fit a
 staging slot, and one connection may hold at most ``max_jobs`` packs in progress.
 
-A ``pack`` request starts a :class:`PackJob` on a kept thread (``workers.py``). The job packs chunk after chunk
+A ``pack`` request starts a :class:`PackJob` on a kept thread (``task_threads.py``). The job packs chunk after chunk
 into the staging slots it reserved (on the host, or on a CUDA stream: ``executors.py``), announces each
 (``ready``) once its pack completed and reuses a slot when the reader ``release``\\ s it (``chunk_slots.py``), so
 the owner packs chunk i+1 while the reader reads chunk i. A job ends when every chunk is released, on ``abort``,
@@ -36,8 +36,8 @@ from .errors import ProtocolError, StagingExhaustedError
 from .executors import CopyExecutor, HostExecutor
 from .side_channel import SideChannelServer
 from .staging import Chunk, StagingPool, layout_from_wire, plan_chunks
+from .task_threads import TaskThreads
 from .wire import PROTOCOL_VERSION, PeerInfo, field
-from .workers import Workers
 
 log = logging.getLogger(__name__)
 MAX_WINDOW = 64  # staging slots one pack may hold at once (the pool's size bounds it further)
@@ -221,7 +221,7 @@ class OwnerService:
         self.server: SideChannelServer | None = None
         self._jobs: dict[tuple[bytes, str], PackJob] = {}
         self._lock = threading.Lock()
-        self._workers = Workers("kvshuttle-pack")
+        self._workers = TaskThreads("kvshuttle-pack")
 
     @property
     def active_jobs(self) -> int:

@@ -42,9 +42,9 @@ from .executors import CopyExecutor
 from .quarantine import Quarantine, Settlement
 from .side_channel import Connection, ConnectionLender
 from .staging import Chunk, StagingPool, layout_to_wire
+from .task_threads import TaskThreads
 from .transfer_handle import Outcome, TransferHandle, TransferState, TransferTelemetry
 from .wire import NOTIF_PREFIX
-from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PackedSetup:
     remote_device: int
     unpacker: CopyExecutor  # the native unpack worker (host caches) or a CUDA stream (device caches)
     last_unpacker: CopyExecutor  # for the last chunk: the pipeline's own thread (host caches) or the stream
-    workers: Workers  # the threads pipelines run on
+    threads: TaskThreads  # the threads pipelines run on
     local_ids: npt.NDArray[np.int64]
     remote_ids: npt.NDArray[np.int64]
     num_tokens: int
@@ -166,7 +166,7 @@ class _Pipeline:
 
     def start(self) -> None:
         try:
-            self._finished = self._s.workers.submit(self._run)
+            self._finished = self._s.threads.submit(self._run)
         except RuntimeError as exc:  # the engine closed meanwhile
             self._cleanup(self._conn, ChunkSlots(self._slots), send_abort=True, healthy=True)
             raise TransferError(f"packed transfer {self.transfer_id}: {exc}", self._s.local_ids) from None

@@ -416,7 +416,7 @@ class ReaderRole(Endpoint):
             quarantine=self.quarantine,
             cache=self.cache, pool=self.pool, pool_mem=self.pool_mem, pool_device=self.pool_device,
             remote_mem="VRAM" if staging.mem_type == "VRAM" else "DRAM", remote_device=staging.device_id,
-            unpacker=self.unpacks, last_unpacker=self.last_unpacks, workers=self.pipelines, local_ids=lids,
+            unpacker=self.unpacks, last_unpacker=self.last_unpacks, threads=self.pipelines, local_ids=lids,
             remote_ids=rids, num_tokens=tokens, layout=layout,
             local_head_offset=local_head_offset, remote_head_offset=remote_head_offset, chunk_tokens=per_chunk,
             chunks=chunks, depth=max(1, self.config.pipeline_depth), notify=notify, deadline=deadline,

@@ -70,7 +70,7 @@ class ShuttleConfig:
     # kvshuttle_layered_timeout_s: the longest a layer-pipelined load may hold up the step's forward pass (every
     # request in the batch waits for it); past it the load is cancelled and its blocks recomputed
     layered_timeout_s: float = 2.0
-    # kvshuttle_transfer_cpus: CPUs the worker's transfer threads run on (affinity.py); default: the engine's
+    # kvshuttle_transfer_cpus: CPUs the worker's transfer threads run on (cpu_pinning.py); default: the engine's
     transfer_cpus: tuple[int, ...] | None = None
     digest_key: str = ""  # kvshuttle_digest_key: mixed into every block digest (default: the model)
     cost_model: Mapping[str, float] | None = None  # kvshuttle_cost_model: PolicyConfig cost inputs

@@ -31,7 +31,7 @@ from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
 from ...trust import DeploymentSecret
-from .affinity import check_cpus, pin, thread_ids
+from .cpu_pinning import check_cpus, pin, thread_ids
 from .config import ConnectorConfigError, ShuttleConfig
 from .layered import LayeredLoads, load_failure
 from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata, ShuttleWorkerMeta
@@ -84,7 +84,7 @@ class ShuttleWorker:
         # router took ends at once (every rank then, through worker_meta), instead of holding blocks to its TTL.
         self.board = HandleBoard(on_unclaimed=self._unclaimed if tp_rank == 0 else None)
         self._transfer_cpus = frozenset(config.transfer_cpus or ())
-        self._transfer_tids: set[int] = set()  # the threads the transfer engine started (affinity.py)
+        self._transfer_tids: set[int] = set()  # the threads the transfer engine started (cpu_pinning.py)
 
     # -- set-up ---------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], backend: str) -> None:

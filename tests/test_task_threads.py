@@ -1,4 +1,4 @@
-"""The kept threads packed reads run on (python/kvshuttle/transfer/workers.py): a task never waits behind
+"""The kept threads packed reads run on (python/kvshuttle/transfer/task_threads.py): a task never waits behind
 another, threads are reused, closing ends them; and two real engines run their packed reads' pipelines and pack
 jobs on them, one kept thread each for reads one after another."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import Geo
 from kvshuttle.transfer.executors import BackgroundExecutor, HostExecutor
-from kvshuttle.transfer.workers import Workers
+from kvshuttle.transfer.task_threads import TaskThreads
 from transfer_helpers import block_bytes, in_process_pair
 
 
@@ -26,7 +26,7 @@ def _until(condition, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-
 
 
 def test_tasks_run_at_once_even_while_others_block() -> None:
-    workers = Workers("test")
+    workers = TaskThreads("test")
     barrier = threading.Barrier(4, timeout=5)  # passes only when all four tasks run at the same time
     passed: list[bool] = []
 
@@ -43,7 +43,7 @@ def test_tasks_run_at_once_even_while_others_block() -> None:
 
 
 def test_a_thread_is_kept_for_the_next_task() -> None:
-    workers = Workers("test")
+    workers = TaskThreads("test")
     seen: list[int] = []
     try:
         for _ in range(5):
@@ -56,7 +56,7 @@ def test_a_thread_is_kept_for_the_next_task() -> None:
 
 
 def test_a_failing_task_is_logged_and_its_thread_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    workers = Workers("test")
+    workers = TaskThreads("test")
 
     def boom() -> None:
         raise ValueError("a bug in a task")
@@ -73,7 +73,7 @@ def test_a_failing_task_is_logged_and_its_thread_goes_on(caplog: pytest.LogCaptu
 
 
 def test_close_ends_the_threads_and_refuses_new_tasks() -> None:
-    workers = Workers("test")
+    workers = TaskThreads("test")
     release = threading.Event()
     busy = workers.submit(lambda: release.wait(5))
     idle = workers.submit(lambda: None)

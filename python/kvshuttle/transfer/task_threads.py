@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 _Task = tuple[Callable[[], None], threading.Event] | None  # None: a kept thread's signal to end
 
 
-class Workers:
+class TaskThreads:
     """Runs each submitted task at once on an idle kept thread or a new one."""
 
     def __init__(self, name: str) -> None:
@@ -40,7 +40,7 @@ class Workers:
         done = threading.Event()
         with self._lock:
             if self._closed:
-                raise RuntimeError(f"{self._name} workers are closed")
+                raise RuntimeError(f"{self._name} task threads are closed")
             self._tasks.put((task, done))
             if self._idle:
                 self._idle -= 1  # that thread takes this task: no other submit counts on it
