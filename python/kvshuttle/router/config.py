@@ -30,6 +30,7 @@ from ..retention.terms import (
 from ..trust import DeploymentSecret, is_loopback
 from .errors import RouterConfigError
 from .redact import redact_url, register, url_secrets
+from .session_keys import SessionKeySources
 
 Connector = Literal["kvshuttle", "nixl"]
 Reads = ReadMode  # the retention words; "multi" is still accepted for multi_read on input (check())
@@ -123,6 +124,9 @@ class RouterConfig:
     max_conversations: int = 100_000  # memory store: least recently used conversations dropped beyond this
     sweep_interval_s: float = 5.0  # memory store: expired handles removed on this timer, not only on traffic
     tenant_header: str | None = None  # e.g. "X-Tenant" set by a trusted gateway
+    # Where a turn's conversation key comes from, in order: the body's conversation_id, then the session headers
+    # of common multi-turn clients (router/session_keys.py)
+    session_keys: SessionKeySources = field(default_factory=SessionKeySources)
     api_keys: dict[str, str] = field(default_factory=dict)  # API key -> tenant; then keys are required
     # How a stored handle is read when the handle does not say: use_once takes it atomically (right for either
     # decode mode), multi_read keeps it for concurrent turns (only for decodes with kvshuttle_reads multi_read)

@@ -46,6 +46,7 @@ from .redact import (
     scrub,
     url_secrets,
 )
+from .session_keys import SessionKeyError, SessionKeySources
 
 _SIZE = re.compile(r"(\d+)\s*([kmg]?)(i?b)?", re.IGNORECASE)
 
@@ -84,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tenants = parser.add_mutually_exclusive_group()
     tenants.add_argument("--tenant-header", help="request header naming the tenant (set by a trusted gateway)")
     tenants.add_argument("--api-keys", help="JSON file {api_key: tenant}; then every request needs a known key")
+    parser.add_argument("--session-key", default=None, metavar="SOURCES",
+                        help="where a turn's conversation key comes from, first present wins: comma-separated "
+                             "'body:conversation_id' and header names (default: body:conversation_id, "
+                             "X-Conversation-Id, X-Session-ID, X-Session-Affinity, X-Dynamo-Session-ID, x-user-id)")
     parser.add_argument("--allow-shared-tenant", action="store_true",
                         help="serve a non-loopback --host without --api-keys or --tenant-header (one tenant for all)")
     parser.add_argument("--reads", type=read_mode_flag, choices=READS, default=ROUTER_READ_MODE,
@@ -154,6 +159,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def session_keys(text: str | None) -> SessionKeySources:
+    try:
+        return SessionKeySources.parse(text)
+    except SessionKeyError as exc:
+        raise RouterConfigError(f"--session-key: {exc}") from None
+
+
 def store_from(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """``memory`` or the Redis URL, from ``--store``, ``--redis-url``, ``--redis-url-file`` or the environment."""
     store = args.store
@@ -192,6 +204,7 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         prefill=[parse_backend(u) for u in args.prefill], decode=[parse_backend(u) for u in args.decode],
         connector=args.connector, store=store_from(args, env), ttl_s=args.ttl, decode_ttl_s=args.decode_ttl,
         max_conversations=args.max_conversations, tenant_header=args.tenant_header, api_keys=api_keys,
+        session_keys=session_keys(args.session_key),
         reads=args.reads, balance=args.balance, affinity=args.affinity,
         decode_local_max_tokens=args.decode_local_max_tokens, retries=args.retries, prewarm=args.prewarm,
         reverse_reads=args.reverse_reads, prewarm_max_in_flight=args.prewarm_max_in_flight,

@@ -59,6 +59,9 @@ class RouterMetrics:
                                ["role"], registry=r)
         self.store_errors = Counter("kvshuttle_router_store_errors", "Store operations that failed", ["op"],
                                     registry=r)
+        self.session_keys = Counter("kvshuttle_router_session_keys", "Turns whose conversation key came from each "
+                                    "source (body:conversation_id or header:NAME; --session-key)", ["source"],
+                                    registry=r)
         self.client_params_dropped = Counter("kvshuttle_router_client_params_dropped",
                                              "Client-supplied kv_transfer_params dropped (untrusted)", registry=r)
         self.client_timeouts = Counter("kvshuttle_router_client_timeouts",
