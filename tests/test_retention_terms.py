@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import fields
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvshuttle.retention import (
     DEFAULT_BUDGET_FRACTION,
@@ -17,6 +21,7 @@ from kvshuttle.retention import (
     HandleExpiredError,
     LeastRecentlyUsed,
     RetentionArgumentError,
+    RetentionLedger,
     RetentionTerms,
 )
 from kvshuttle.retention.eviction import EvictionEmptyError
@@ -27,6 +32,7 @@ from kvshuttle.retention.terms import (
     ROUTER_READ_MODE,
     as_read_mode,
 )
+from test_error_contract import FUZZ, named_or_ok, wrong
 from test_retention import BS, advance, make, retain
 
 
@@ -56,6 +62,32 @@ def test_a_ledger_without_terms_has_the_defaults() -> None:
 def test_a_bad_term_is_a_named_error(field: str, value: Any) -> None:
     with pytest.raises(RetentionArgumentError, match=field):
         RetentionTerms(**{field: value})
+
+
+@FUZZ
+@given(field=st.sampled_from([f.name for f in fields(RetentionTerms)]), value=wrong())
+def test_any_wrong_term_is_refused_by_name_or_works(field: str, value: Any) -> None:
+    """Wrong types and out-of-range values: a RetentionArgumentError naming the field, or terms a ledger runs on."""
+    try:
+        terms = RetentionTerms(**{field: value})
+    except RetentionArgumentError as exc:
+        assert field in str(exc)
+        return
+    ledger = RetentionLedger("e", "h", 1, terms=terms)
+    issued: list[Any] = []
+    named_or_ok(lambda: issued.append(ledger.retain("r", [0], [b"d"], 1, 16)))  # a budget of 0 blocks refuses
+    for handle in issued:
+        assert named_or_ok(functools.partial(ledger.renew, handle.handle_id))
+    assert named_or_ok(lambda: ledger.sweep()) and ledger.release_all() == len(issued)
+
+
+def test_a_budget_of_no_blocks_refuses_every_retention() -> None:
+    from kvshuttle.retention import BudgetExceededError
+
+    env = make(terms=RetentionTerms(budget_blocks=0))
+    with pytest.raises(BudgetExceededError) as info:
+        retain(env, [1, 2])
+    assert info.value.caller_frees == (1, 2) and len(env.ledger) == 0
 
 
 def test_overridden_replaces_only_given_values_and_checks_them() -> None:
