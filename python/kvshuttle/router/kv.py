@@ -3,10 +3,11 @@
 Takes run on the router's event loop, without a thread: one authenticated DEALER socket per decode
 (:class:`Channel`, ``zmq.asyncio``), shared by every take in flight on that loop, each request matched to its
 reply by request id. The exchange is :func:`kvshuttle.transfer.control.ask_published`'s (the ``take_published``
-op, polled every :data:`POLL_S` until found or ``timeout_s``), with :class:`~kvshuttle.transfer.side_channel.
-Connection`'s socket options and liveness rules: the socket's monitor and ZMTP heartbeats fail every take in
-flight at once when the decode's process dies, freezes or refuses the connection, and a failed handshake (a
-decode of another deployment: the CURVE handshake under the deployment secret) is a
+op, polled every :data:`POLL_S` until found or ``timeout_s``), on the side channel's one client socket and its
+liveness rules (:func:`~kvshuttle.transfer.side_channel.client_socket`, ``LinkWatch``, as the engine's
+``Connection``): the socket's monitor and ZMTP heartbeats fail every take in flight at once when the decode's
+process dies, freezes or refuses the connection, and a failed handshake (a decode of another deployment: the
+CURVE handshake under the deployment secret) is a
 :class:`~kvshuttle.transfer.errors.PeerAuthError`. A take that finds its kept channel lost (a decode that
 restarted meanwhile) is tried once more on a fresh one. (An earlier version ran blocking takes in a thread
 pool: the thread hop, the pool's polling and the GIL hand-offs cost more CPU than the exchange itself.)
@@ -119,40 +120,17 @@ class Channel:
 
     def __init__(self, context: Any, address: str, secret: DeploymentSecret, heartbeat_s: float = 0.5,
                  peer_timeout_s: float = 1.0) -> None:
-        import zmq
+        from ..transfer.side_channel import LinkWatch, client_socket
 
-        from ..transfer.side_channel import _WATCHED, CLIENT_MAX_MESSAGE_BYTES, parse_address
-
-        parse_address(address)
         self.address = address
-        self.fingerprint = secret.fingerprint
-        public, private = secret.curve_keys()
-        socket = context.socket(zmq.DEALER)
-        # Connection's options: see kvshuttle.transfer.side_channel.Connection
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IMMEDIATE, 0)
-        socket.setsockopt(zmq.CURVE_SERVERKEY, public)  # only an owner holding the secret completes it
-        socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        socket.setsockopt(zmq.CURVE_SECRETKEY, private)
-        socket.setsockopt(zmq.MAXMSGSIZE, CLIENT_MAX_MESSAGE_BYTES)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(min(heartbeat_s, peer_timeout_s / 3) * 1000)))
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(peer_timeout_s * 1000)))
-        socket.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(peer_timeout_s * 1000)))
-        socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(peer_timeout_s * 1000)))
-        self._socket = socket
-        self._monitor = socket.get_monitor_socket(_WATCHED)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._rid = itertools.count(1)
-        self.ever_connected = False
         self.lost: BaseException | None = None  # why the channel is unusable, once it is
         self._closed = False
-        try:
-            socket.connect(address)
-        except zmq.ZMQError as exc:
-            from ..transfer.errors import TransferArgumentError
-
-            self.close()
-            raise TransferArgumentError(f"cannot connect to {address!r}: {exc}") from exc
+        # the side channel's one client socket and liveness rules, on this loop's asyncio context
+        self._socket, self._monitor = client_socket(context, address, secret, heartbeat_s=heartbeat_s,
+                                                    peer_timeout_s=peer_timeout_s)
+        self.link = LinkWatch(address, secret.fingerprint)
         loop = asyncio.get_running_loop()
         self._tasks = (loop.create_task(self._read()), loop.create_task(self._watch()))
 
@@ -245,35 +223,16 @@ class Channel:
             self._fail(PeerLostError(f"the channel to {self.address} failed: {type(exc).__name__}"))
 
     async def _watch(self) -> None:
-        """Connection.watch's rules, as the monitor's events arrive."""
-        import zmq
-        from zmq.utils.monitor import parse_monitor_message
-
-        from ..transfer.errors import PeerAuthError, PeerLostError, PeerUnreachableError
-        from ..transfer.side_channel import _HANDSHAKE_FAILED, _TIMED_OUT
+        """The side channel's liveness rules (:class:`~kvshuttle.transfer.side_channel.LinkWatch`), applied as
+        the monitor's events arrive: the first error fails every request in flight."""
+        from ..transfer.errors import PeerLostError
 
         try:
             while self.lost is None:
-                parsed = parse_monitor_message(await self._monitor.recv_multipart())
-                event = parsed["event"]
-                if event & _HANDSHAKE_FAILED and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                                      and int(parsed["value"]) in _TIMED_OUT):
-                    self._fail(PeerAuthError(
-                        f"the authenticated handshake with {self.address} failed: it does not hold this "
-                        f"deployment's secret (fingerprint {self.fingerprint}), runs a kvshuttle older than "
-                        "side-channel protocol 4, or hung up; set the same KVSHUTTLE_SECRET on both sides"))
-                elif event & _HANDSHAKE_FAILED and self.ever_connected:  # silent within HANDSHAKE_IVL: frozen
-                    self._fail(PeerLostError(f"{self.address} gave no handshake or heartbeat answer within "
-                                             "peer_timeout_s (frozen or cut off)"))
-                elif event == zmq.EVENT_CONNECTED:
-                    self.ever_connected = True
-                elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
-                    self._fail(PeerUnreachableError(
-                        f"{self.address} refused the connection: is the owner running and serving "
-                        "(engine.serve()) on that host and port?"))
-                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and self.ever_connected:
-                    self._fail(PeerLostError(f"the connection to {self.address} dropped (owner process gone, or "
-                                             "no heartbeat answer within peer_timeout_s)"))
+                self.link.feed(await self._monitor.recv_multipart())
+                error = self.link.error()
+                if error is not None:
+                    self._fail(error)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the monitor was closed under the watcher

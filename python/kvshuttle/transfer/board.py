@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import shown
+from ..params import PUBLISH_KEY
 from .errors import TransferArgumentError
 
-PUBLISH_KEY = "kvshuttle_publish_key"  # the field a router adds to a request's kv_transfer_params
+__all__ = ["MAX_KEY_LENGTH", "PUBLISH_KEY", "HandleBoard", "check_publish_key", "serve_take"]
 MAX_KEY_LENGTH = 128
 
 

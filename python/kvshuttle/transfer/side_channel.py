@@ -29,7 +29,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import shown
 from ..trust import DeploymentSecret
-from .errors import PeerAuthError, PeerLostError, PeerUnreachableError, ProtocolError, TransferArgumentError
+from .errors import (
+    PeerAuthError,
+    PeerLostError,
+    PeerUnreachableError,
+    ProtocolError,
+    TransferArgumentError,
+    TransferError,
+)
 from .wire import decode, encode
 
 log = logging.getLogger(__name__)
@@ -186,87 +193,141 @@ _WATCHED = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RET
             | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
 
-class Connection:
-    """A DEALER socket to one owner, used by one thread: requests with timeouts, and a message stream.
+def client_socket(context: Any, address: str, secret: DeploymentSecret, *, heartbeat_s: float = 0.5,
+                  peer_timeout_s: float = 1.0, max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES) -> tuple[Any, Any]:
+    """``(socket, monitor)``: a DEALER socket connected to the owner at ``address`` and its monitor (the events
+    :class:`LinkWatch` reads), for every client of a side channel (:class:`Connection`; the router's asyncio
+    channel passes a ``zmq.asyncio`` context). TransferArgumentError for an address ZMQ cannot connect to.
 
-    The connection watches itself: a ZMQ monitor reports the TCP connection dropping (the owner's process
-    died: the kernel closed its sockets) and ZMTP heartbeats (every ``heartbeat_s``, ``peer_timeout_s`` of
-    silence closes the connection) catch an owner that is alive but frozen or cut off. Either makes every
-    wait on this connection raise :class:`PeerLostError` at once; a refused connection before the first
-    handshake raises :class:`PeerUnreachableError` at once instead of waiting for a timeout.
+    CURVE under the deployment's key pair: only an owner holding the secret completes the handshake. ZMTP
+    heartbeats catch an owner that is alive but frozen or cut off.
+    """
+    parse_address(address)
+    public, private = secret.curve_keys()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IMMEDIATE, 0)
+    socket.setsockopt(zmq.CURVE_SERVERKEY, public)  # only an owner holding the secret completes it
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, private)
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    # at least three pings per timeout, so one late pong on a busy host does not drop a live peer
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(min(heartbeat_s, peer_timeout_s / 3) * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(peer_timeout_s * 1000)))
+    socket.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(peer_timeout_s * 1000)))
+    # heartbeats start after the ZMTP handshake; a peer frozen before it would otherwise get 30 s
+    socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(peer_timeout_s * 1000)))
+    monitor = socket.get_monitor_socket(_WATCHED)
+    try:
+        socket.connect(address)
+    except zmq.ZMQError as exc:
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disable_monitor()
+        monitor.close(0)
+        socket.close(0)
+        raise TransferArgumentError(f"cannot connect to {address!r}: {exc}") from exc
+    return socket, monitor
+
+
+class LinkWatch:
+    """What a client socket's monitor events say about its connection to one owner: the one set of rules for
+    every client (:class:`Connection`, the router's asyncio channel), fed each event as it is read.
+
+    ``lost`` says why an established connection is gone (the owner's process died: the kernel closed its
+    sockets; no handshake or heartbeat answer: frozen or cut off; a failed CURVE handshake: ``auth_failed``);
+    ``refused``: a connection attempt was refused before any succeeded.
     """
 
-    def __init__(self, context: zmq.Context[Any], address: str, *, secret: DeploymentSecret,
-                 heartbeat_s: float = 0.5, peer_timeout_s: float = 1.0,
-                 max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES) -> None:
-        parse_address(address)
+    def __init__(self, address: str, fingerprint: str) -> None:
         self.address = address
-        self.fingerprint = secret.fingerprint
-        public, private = secret.curve_keys()
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IMMEDIATE, 0)
-        self._socket.setsockopt(zmq.CURVE_SERVERKEY, public)  # only an owner holding the secret completes it
-        self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        self._socket.setsockopt(zmq.CURVE_SECRETKEY, private)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        # at least three pings per timeout, so one late pong on a busy host does not drop a live peer
-        self._socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(min(heartbeat_s, peer_timeout_s / 3) * 1000)))
-        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(peer_timeout_s * 1000)))
-        self._socket.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(peer_timeout_s * 1000)))
-        # heartbeats start after the ZMTP handshake; a peer frozen before it would otherwise get 30 s
-        self._socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(peer_timeout_s * 1000)))
-        self._monitor = self._socket.get_monitor_socket(_WATCHED)
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        try:
-            self._socket.connect(address)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise TransferArgumentError(f"cannot connect to {address!r}: {exc}") from exc
-        self._rid = itertools.count(1)
-        self.backlog: list[dict[str, Any]] = []  # messages received while waiting for a reply
+        self.fingerprint = fingerprint
         self.ever_connected = False
         self.refused = False  # a connection attempt was refused before any succeeded
         self.auth_failed = False  # the CURVE handshake failed: the other side is not of this deployment
         self.lost: str | None = None  # why the connection is gone, once it is
 
+    def feed(self, frames: list[bytes]) -> None:
+        """One monitor message (its frames)."""
+        if self.lost is not None:
+            return
+        parsed = parse_monitor_message(frames)
+        event = parsed["event"]
+        if event & _HANDSHAKE_FAILED and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                              and int(parsed["value"]) in _TIMED_OUT):
+            self.auth_failed = True
+            self.lost = (f"the authenticated handshake with {self.address} failed: it does not hold this "
+                         f"deployment's secret (fingerprint {self.fingerprint}), runs a kvshuttle older than "
+                         "side-channel protocol 4, or hung up; set the same KVSHUTTLE_SECRET on both sides")
+        elif event & _HANDSHAKE_FAILED and self.ever_connected:  # silent within HANDSHAKE_IVL: frozen
+            self.lost = (f"{self.address} gave no handshake or heartbeat answer within peer_timeout_s (frozen or "
+                         "cut off)")
+        elif event == zmq.EVENT_CONNECTED:
+            self.ever_connected = True
+        elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
+            self.refused = True
+        elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and self.ever_connected:
+            self.lost = (f"the connection to {self.address} dropped (owner process gone, or no heartbeat "
+                         "answer within peer_timeout_s)")
+
+    def error(self, what: str | None = None) -> TransferError | None:
+        """The error a wait on this connection raises now (``what``: what it waits for), or None while usable:
+        PeerAuthError, PeerLostError, or PeerUnreachableError for a refused connection."""
+        during = f" while waiting for {what}" if what else ""
+        if self.auth_failed:
+            return PeerAuthError(f"{self.lost} (while waiting for {what})" if what else str(self.lost))
+        if self.lost is not None:
+            return PeerLostError(f"{self.lost}{during}; reconnect with engine.connect(address)" if what
+                                 else self.lost)
+        if self.refused:
+            return PeerUnreachableError(f"{self.address} refused the connection{during}: is the owner running and "
+                                        "serving (engine.serve()) on that host and port?")
+        return None
+
+
+class Connection:
+    """A DEALER socket to one owner, used by one thread: requests with timeouts, and a message stream.
+
+    The connection watches itself (:class:`LinkWatch`): a ZMQ monitor reports the TCP connection dropping and
+    ZMTP heartbeats (every ``heartbeat_s``, ``peer_timeout_s`` of silence closes the connection) catch an owner
+    that is alive but frozen or cut off. Either makes every wait on this connection raise
+    :class:`PeerLostError` at once; a refused connection before the first handshake raises
+    :class:`PeerUnreachableError` at once instead of waiting for a timeout.
+    """
+
+    def __init__(self, context: zmq.Context[Any], address: str, *, secret: DeploymentSecret,
+                 heartbeat_s: float = 0.5, peer_timeout_s: float = 1.0,
+                 max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES) -> None:
+        self.address = address
+        self._socket, self._monitor = client_socket(context, address, secret, heartbeat_s=heartbeat_s,
+                                                    peer_timeout_s=peer_timeout_s,
+                                                    max_message_bytes=max_message_bytes)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self.link = LinkWatch(address, secret.fingerprint)
+        self._rid = itertools.count(1)
+        self.backlog: list[dict[str, Any]] = []  # messages received while waiting for a reply
+
+    @property
+    def lost(self) -> str | None:
+        """Why the connection is gone, once it is."""
+        return self.link.lost
+
     # -- liveness -------------------------------------------------------------------------------------------
     def watch(self) -> str | None:
         """Drain the monitor without blocking; returns why the connection is lost, or None."""
-        while self.lost is None:
+        while self.link.lost is None:
             try:
-                parsed = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                self.link.feed(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
-            event = parsed["event"]
-            if event & _HANDSHAKE_FAILED and not (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                                  and int(parsed["value"]) in _TIMED_OUT):
-                self.auth_failed = True
-                self.lost = (f"the authenticated handshake with {self.address} failed: it does not hold this "
-                             f"deployment's secret (fingerprint {self.fingerprint}), runs a kvshuttle older than "
-                             "side-channel protocol 4, or hung up; set the same KVSHUTTLE_SECRET on both sides")
-            elif event & _HANDSHAKE_FAILED and self.ever_connected:  # silent within HANDSHAKE_IVL: frozen
-                self.lost = (f"{self.address} gave no handshake or heartbeat answer within peer_timeout_s (frozen or "
-                             "cut off)")
-            elif event == zmq.EVENT_CONNECTED:
-                self.ever_connected = True
-            elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
-                self.refused = True
-            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and self.ever_connected:
-                self.lost = (f"the connection to {self.address} dropped (owner process gone, or no heartbeat "
-                             "answer within peer_timeout_s)")
-        return self.lost
+        return self.link.lost
 
     def _raise_if_dead(self, what: str) -> None:
-        if self.watch() is not None and self.auth_failed:
-            raise PeerAuthError(f"{self.lost} (while waiting for {what})")
-        if self.lost is not None:
-            raise PeerLostError(f"{self.lost} while waiting for {what}; reconnect with engine.connect(address)")
-        if self.refused:
-            raise PeerUnreachableError(f"{self.address} refused the connection while waiting for {what}: is the "
-                                       "owner running and serving (engine.serve()) on that host and port?")
+        self.watch()
+        error = self.link.error(what)
+        if error is not None:
+            raise error
 
     def _wait(self, timeout: float, what: str) -> bool:
         """Wait up to ``timeout`` for a message; False on timeout; raises as soon as the peer is gone."""
