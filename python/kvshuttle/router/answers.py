@@ -1,6 +1,6 @@
 """What comes back from a decode: its answer passed to the client (whole, or streamed event by event) without its
-``kv_transfer_params``, and the handle in them validated and stored for the conversation's next turn. A mixin of
-:class:`kvshuttle.router.proxy.Router`."""
+``kv_transfer_params``, and the handle in them validated and stored for the conversation's next turn. Used by
+:class:`kvshuttle.router.proxy.Router` once a decode answered."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -17,42 +17,42 @@ from ..trust import DeploymentSecret
 from . import relay
 from .backends import BACKEND_FAILURES, Backend, BackendPool
 from .bodies import PRIVATE_MARKERS, client_error_body
+from .config import RouterConfig
+from .dispatch import Dispatch
 from .errors import StoreError
 from .handles import InvalidHandle, checked_handle
+from .kv import Taker
+from .metrics import RouterMetrics
 from .placement import history_mark
-from .prewarm import MAX_ANSWER_BYTES, Prewarmer, answer_from_events, answer_from_json
+from .prewarm import MAX_ANSWER_BYTES, answer_from_events, answer_from_json
 from .relay import error_response as _error
 from .sse import EventFilter, StreamFormatError
-from .store import StoredHandle
+from .store import HandleStore, StoredHandle
 from .turn import Turn
-
-if TYPE_CHECKING:
-    from .config import RouterConfig
-    from .kv import Taker
-    from .metrics import RouterMetrics
-    from .store import HandleStore
 
 log = logging.getLogger("kvshuttle.router")
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class Answers:
-    """The decode's side of a turn, after the request went out."""
+    """The decode's side of a turn, after the request to a decode of ``pool`` went out: :meth:`answer` (whole)
+    or :meth:`relay` (streamed). ``take``: how a streamed turn's handle is taken from the decode's board;
+    ``keep_answers``: the answers' text is kept (a pre-warm, a decode-local turn's history mark)."""
 
-    config: RouterConfig
-    metrics: RouterMetrics
-    store: HandleStore
-    secret: DeploymentSecret
-    decode: BackendPool
-    _take: Taker
-    _clock: Callable[[], float]
-    _prewarm: Prewarmer | None
-    _keep_answers: bool  # answers' text is kept (a pre-warm, a decode-local turn's history mark)
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, store: HandleStore, secret: DeploymentSecret,
+                 pool: BackendPool, take: Taker, clock: Callable[[], float], keep_answers: bool,
+                 dispatch: Dispatch) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.store = store
+        self.secret = secret
+        self.pool = pool
+        self._take = take
+        self._clock = clock
+        self._keep_answers = keep_answers
+        self._dispatch = dispatch
 
-    def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    async def _answer(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse,
+    async def answer(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse,
                       backend: Backend) -> web.StreamResponse:
         """A non-streamed answer (or any error): the body passes through, without the decode's handle. A large
         one is written here, bounded in time like a stream (a client not reading it is cut)."""
@@ -85,7 +85,7 @@ class Answers:
             self.metrics.client_timeouts.labels("write").inc()
         return out
 
-    async def _relay(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
+    async def relay(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse, backend: Backend,
                      publish: str | None) -> web.StreamResponse:
         """Stream the decode's answer event by event, without kv_transfer_params; store its handle before the end.
 
@@ -131,7 +131,7 @@ class Answers:
             return out
         except (*BACKEND_FAILURES, StreamFormatError) as exc:
             turn.learned = "stream_failed"
-            self._backend_failed(self.decode, backend, exc)
+            self._dispatch.failed(self.pool, backend, exc)
             self.metrics.unlearned.labels("stream_failed").inc()
             resp.close()
             if not out.prepared:

@@ -1,57 +1,49 @@
 """The prefill's side of a turn: one ``max_tokens=1`` request that reads the conversation back from its decode (the
-stored handle) or computes it, retried on another prefill without a handle that may have been consumed. A mixin of
-:class:`kvshuttle.router.proxy.Router`."""
+stored handle) or computes it, retried on another prefill without a handle that may have been consumed. Used by
+:class:`kvshuttle.router.proxy.Router` for every turn that is not decode-local."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from .backends import BACKEND_FAILURES, Backend, BackendPool
+from .backends import BACKEND_FAILURES, BackendPool
 from .bodies import client_error_body
+from .config import RouterConfig
+from .dispatch import Dispatch
 from .handles import prefill_params
+from .metrics import RouterMetrics
+from .releases import Releases
 from .store import StoredHandle
 from .turn import Turn
-
-if TYPE_CHECKING:
-    from .config import RouterConfig
-    from .metrics import RouterMetrics
 
 PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 class Prefills:
-    """What a turn asks of a prefill, before its decode."""
+    """What a turn asks of a prefill of ``pool``, before its decode (:meth:`run`). ``session``: the router's
+    HTTP client session, made when it starts."""
 
-    config: RouterConfig
-    metrics: RouterMetrics
-    prefill: BackendPool
-    _session: aiohttp.ClientSession | None
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, pool: BackendPool,
+                 session: Callable[[], aiohttp.ClientSession | None], dispatch: Dispatch,
+                 releases: Releases) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.pool = pool
+        self._session = session
+        self._dispatch = dispatch
+        self._releases = releases
 
-    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
-        raise NotImplementedError
-
-    async def _release_quietly(self, entry: StoredHandle) -> bool:
-        raise NotImplementedError
-
-    def _choose(self, pool: BackendPool, turn: Turn, sticky: str | None, tried: set[str]) -> Backend | None:
-        raise NotImplementedError
-
-    def _granted(self, params: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    async def _prefill(self, turn: Turn, body: dict[str, Any], entry: StoredHandle | None,
-                       headers: dict[str, str]) -> tuple[dict[str, Any] | None, web.Response | None]:
+    async def run(self, turn: Turn, body: dict[str, Any], entry: StoredHandle | None,
+                  headers: dict[str, str]) -> tuple[dict[str, Any] | None, web.Response | None]:
         """Prefill's returned params (None: the decode computes the prompt), or a client error to return."""
-        assert self._session is not None
+        session = self._session()
+        assert session is not None
         handle = entry.params if entry is not None else None
         request = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         request["stream"], request["max_tokens"] = False, 1
@@ -61,24 +53,24 @@ class Prefills:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
         # what the next attempt sends: a failed prefill may have consumed a use-once handle
         offer = handle if self.config.reverse_reads else None
-        if handle is not None and offer is None and self.config.reads == "use_once":
-            self._background(self._release_quietly(entry))  # type: ignore[arg-type]  # taken, never to be read
+        if entry is not None and handle is not None and offer is None and self.config.reads == "use_once":
+            self._releases.later(entry)  # taken, never to be read
         for attempt in range(1 + self.config.retries):
-            backend = self._choose(self.prefill, turn, entry.prefill if entry is not None else None, tried)
+            backend = self._dispatch.choose(self.pool, turn, entry.prefill if entry is not None else None, tried)
             if backend is None:
                 break
             tried.add(backend.name)
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
-            request["kv_transfer_params"] = self._granted(prefill_params(offer))
+            request["kv_transfer_params"] = self._dispatch.granted(prefill_params(offer))
             started = time.perf_counter()
             backend.in_flight += 1
             try:
-                async with self._session.post(backend.url + turn.endpoint, json=request,
+                async with session.post(backend.url + turn.endpoint, json=request,
                                               headers=backend.headers(headers), timeout=timeout) as resp:
                     status, data = resp.status, await resp.read()
             except BACKEND_FAILURES as exc:
-                self._backend_failed(self.prefill, backend, exc)
+                self._dispatch.failed(self.pool, backend, exc)
                 if not isinstance(exc, aiohttp.ClientConnectorError):  # a refused connection sent nothing:
                     offer = None  # the handle goes to the next prefill (failover that still reads back)
                 continue
@@ -108,7 +100,7 @@ class Prefills:
                 if sent and not read and entry is not None and self.config.reads == "use_once":
                     # its own cache held the history (or too little was left to pay): the handle was not used,
                     # and the decode's next handle supersedes it; the decode need not hold it to its TTL
-                    self._background(self._release_quietly(entry))
+                    self._releases.later(entry)
                 sent = sent and read > 0
             turn.placement = "reverse_read" if sent else "recompute"
             return params, None

@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,14 +40,16 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from ..trust import GRANT_FIELD, DeploymentSecret, TrustError, is_loopback, issue_grant
+from ..params import PUBLISH_KEY
+from ..trust import DeploymentSecret, TrustError, is_loopback
 from . import relay
 from .admission import Gate, limits_of
 from .answers import Answers
-from .auth import ApiKeys, cache_salt, header_tenant
+from .auth import ApiKeys, cache_salt
 from .backends import BACKEND_FAILURES, Backend, BackendPool
 from .bodies import CHAT, COMPLETIONS, BadRequest, parse_body, read_body
-from .config import DEFAULT_TENANT, RouterConfig
+from .config import RouterConfig
+from .dispatch import Dispatch
 from .endpoints import Endpoints
 from .errors import RouterConfigError, StoreError
 from .handles import valid_id
@@ -56,20 +58,24 @@ from .metrics import RouterMetrics
 from .placement import decode_local
 from .prefills import Prefills
 from .prewarm import Prewarmer, answer_from_events
-from .redact import install_filter, redact_url, register, scrub, url_secrets
+from .redact import install_filter, redact_url, register, url_secrets
 from .relay import error_response as _error
+from .releases import Releases
 from .store import HandleStore, MemoryStore, RedisStore, StoredHandle
 from .turn import Turn
 
 log = logging.getLogger("kvshuttle.router")
 
-PUBLISH_KEY = "kvshuttle_publish_key"  # kvshuttle.transfer.board.PUBLISH_KEY (not imported: no pyzmq needed)
 NO_PREFILL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False}  # decode computes the prompt itself
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-class Router(Answers, Endpoints, Prefills):
-    """The router's state and its aiohttp application (:meth:`app`; :meth:`runner` serves it)."""
+class Router:
+    """The router's state and its aiohttp application (:meth:`app`; :meth:`runner` serves it).
+
+    A turn runs here (:meth:`_turn`) with its collaborators: :class:`.Dispatch` (tenants, backend choice,
+    grants), :class:`.Prefills` (the prefill's side), :class:`.Answers` (the decode's answer, its handle
+    learned) and :class:`.Releases` (retentions let go); :class:`.Endpoints` serves the small endpoints."""
 
     def __init__(self, config: RouterConfig, *, store: HandleStore | None = None, taker: Taker | None = None,
                  releaser: Releaser | None = None, clock: Callable[[], float] = time.time) -> None:
@@ -107,11 +113,18 @@ class Router(Answers, Endpoints, Prefills):
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:12]  # request ids: unique per router process, not secret
         self._tasks: list[asyncio.Task[None]] = []
-        self._later: set[asyncio.Task[Any]] = set()  # work after a turn, off its path (_background)
         # the decode keeps a conversation only where a later turn can use it (a reverse read, a decode-local turn)
         self._decode_retains = config.reverse_reads or config.decode_local_max_tokens > 0
         self._prewarm = Prewarmer(lambda: self._session, self.metrics, config.prewarm_max_in_flight,
                                   config.prefill_timeout_s, config.max_conversations) if config.prewarm else None
+        session = self._current_session
+        self._dispatch = Dispatch(config, self.metrics, self.secret, self._keys)
+        self._releases = Releases(self._release, self.metrics)
+        self._prefills = Prefills(config, self.metrics, self.prefill, session, self._dispatch, self._releases)
+        self._answers = Answers(config, self.metrics, self.store, self.secret, self.decode, self._take, clock,
+                                self._keep_answers, self._dispatch)
+        self._endpoints = Endpoints(config, self.metrics, self.store, self.prefill, self.decode, session,
+                                    self._gate, self._dispatch, self._releases)
         if config.connector == "kvshuttle" and not all(d.kv_address for d in config.decode):
             log.warning("router: decode backends without kv=HOST:PORT: streamed turns there cannot learn their "
                         "handle from a board (the next turn recomputes unless the stream carries it)")
@@ -135,7 +148,10 @@ class Router(Answers, Endpoints, Prefills):
     def _dropped(self, entry: StoredHandle) -> None:
         """A conversation the store let go at a bound: its decode need not hold it to its TTL."""
         if self.config.connector == "kvshuttle" and self._session is not None:
-            self._background(self._release_quietly(entry))
+            self._releases.later(entry)
+
+    def _current_session(self) -> aiohttp.ClientSession | None:
+        return self._session
 
     # -- application ----------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -143,13 +159,18 @@ class Router(Answers, Endpoints, Prefills):
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[relay.guard])
         app.router.add_post(CHAT, self._chat)
         app.router.add_post(COMPLETIONS, self._completions)
-        app.router.add_delete("/v1/conversations/{conversation}", self._delete)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._admin_only(self._health))
-        app.router.add_get("/metrics", self._admin_only(self._metrics))
+        endpoints = self._endpoints
+        app.router.add_delete("/v1/conversations/{conversation}", endpoints.delete)
+        app.router.add_get("/v1/models", endpoints.models)
+        app.router.add_get("/health", endpoints.admin_only(endpoints.health))
+        app.router.add_get("/metrics", endpoints.admin_only(endpoints.metrics_page))
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._close)
         return app
+
+    def admin_app(self) -> web.Application:
+        """``/health`` and ``/metrics`` alone, open: for a listener only the operator reaches (``--admin-port``)."""
+        return self._endpoints.admin_app()
 
     def runner(self) -> web.AppRunner:
         """An AppRunner for :meth:`app` with the client-facing limits (idle keep-alive, no compressed bodies)."""
@@ -175,9 +196,10 @@ class Router(Answers, Endpoints, Prefills):
                  f"from header {cfg.tenant_header}" if cfg.tenant_header else "one shared", self.secret)
 
     async def _close(self, _: web.Application) -> None:
-        for task in [*self._tasks, *self._later]:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._later, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._releases.close()
         if self._prewarm is not None:
             await self._prewarm.close()
         await self.store.close()
@@ -203,7 +225,7 @@ class Router(Answers, Endpoints, Prefills):
     async def _admit(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         """Authenticate; enter the gate (the tenant's bounds, before a byte of the body is read); read the whole
         body, each chunk charged at its parsed estimate as it arrives; parse it; and only then wait for a slot."""
-        tenant = self._tenant(request)
+        tenant = self._dispatch.tenant(request)
         if self._keys and tenant is None:
             return self._refused(endpoint, 401, "missing or unknown API key", "authentication_error", close=True)
         cfg, gate = self.config, self._gate
@@ -259,7 +281,7 @@ class Router(Answers, Endpoints, Prefills):
             warm.arrived(turn.key)
         entry = await self._lookup(turn)
         try:
-            headers = {"X-Request-Id": turn.request_id, **self._auth(request)}
+            headers = {"X-Request-Id": turn.request_id, **self._dispatch.auth(request)}
             local = self._decode_local(turn, endpoint, body, entry)
             if local is not None:  # computed on the decode that holds the conversation: no prefill, no transfer
                 turn.placement, turn.home = "decode_local", entry.prefill if entry is not None else None
@@ -267,9 +289,9 @@ class Router(Answers, Endpoints, Prefills):
                     warm.placed(turn.key, None)
                 response = await self._decode(turn, request, body, None, headers, entry, prefer=local)
                 if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
-                    self._background(self._release_quietly(entry))  # the new turn's handle holds the history now
+                    self._releases.later(entry)  # the new turn's handle holds the history now
             else:
-                p_params, failed = await self._prefill(turn, body, entry, headers)
+                p_params, failed = await self._prefills.run(turn, body, entry, headers)
                 if failed is not None:
                     return failed
                 if warm is not None:
@@ -277,7 +299,7 @@ class Router(Answers, Endpoints, Prefills):
                 response = await self._decode(turn, request, body, p_params, headers, entry)
         except asyncio.CancelledError:  # the client went away: the handle this turn took is of use to no one now
             if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
-                self._background(self._release_quietly(entry))
+                self._releases.later(entry)
             raise
         if warm is not None and turn.learned == "stored":
             self._start_prewarm(warm, turn, body, headers)
@@ -310,20 +332,6 @@ class Router(Answers, Endpoints, Prefills):
         warm.start(turn.key, backend, body, answer, {k: v for k, v in headers.items() if k != "X-Request-Id"},
                    turn.tenant or "")
 
-    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
-        """Run ``work`` after the turn, off its path; kept referenced until done (closed with the router)."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._later.add(task)
-        task.add_done_callback(self._later.discard)
-
-    def _choose(self, pool: BackendPool, turn: Turn, sticky: str | None, tried: set[str]) -> Backend | None:
-        """The next backend of ``pool`` for the turn: its conversation's own (affinity) or the balanced choice."""
-        key = turn.key if self.config.affinity == "conversation" else None
-        backend, how = pool.choose_for(key, sticky, frozenset(tried))
-        if backend is not None:
-            self.metrics.affinity[(pool.role, how)].inc()
-        return backend
-
     def _refused(self, endpoint: str, status: int, message: str, kind: str = "invalid_request_error",
                  close: bool = False) -> web.Response:
         self.metrics.requests.labels(endpoint, str(status)).inc()
@@ -335,25 +343,6 @@ class Router(Answers, Endpoints, Prefills):
         if close:  # the rest of the body is not read: the connection cannot carry another request
             response.force_close()
         return response
-
-    def _tenant(self, request: web.Request) -> str | None:
-        if self._keys:
-            return self._keys.tenant(request.headers.get("Authorization"))
-        if self.config.tenant_header is not None:
-            return header_tenant(request.headers.get(self.config.tenant_header))
-        return DEFAULT_TENANT
-
-    def _auth(self, request: web.Request) -> dict[str, str]:
-        if self.config.backend_api_key:
-            return {"Authorization": f"Bearer {self.config.backend_api_key}"}
-        auth = request.headers.get("Authorization")
-        return {"Authorization": auth} if auth and not self._keys else {}  # tenants' keys stay here
-
-    def _granted(self, params: dict[str, Any]) -> dict[str, Any]:
-        """``params`` with a fresh retention grant (kvshuttle's engines keep blocks only for granted requests)."""
-        if self.config.connector == "kvshuttle":
-            params[GRANT_FIELD] = issue_grant(self.secret)
-        return params
 
     async def _lookup(self, turn: Turn) -> StoredHandle | None:
         key = turn.key
@@ -376,10 +365,6 @@ class Router(Answers, Endpoints, Prefills):
         self.metrics.lookup[found.status].inc()
         return found.entry
 
-    def _backend_failed(self, pool: BackendPool, backend: Backend, exc: BaseException) -> None:
-        self.metrics.backend_errors.labels(pool.role, backend.name).inc()
-        pool.mark(backend, False, f"{type(exc).__name__}: {scrub(str(exc))}")
-
     async def _decode(self, turn: Turn, client: web.Request, body: dict[str, Any], p_params: dict[str, Any] | None,
                       headers: dict[str, str], entry: StoredHandle | None,
                       prefer: Backend | None = None) -> web.StreamResponse:
@@ -392,7 +377,7 @@ class Router(Answers, Endpoints, Prefills):
             # the decode that holds the conversation first: its prefix cache holds the history, so it reads
             # only the new prompt's blocks from the prefill
             backend = prefer if attempt == 0 and prefer is not None else \
-                self._choose(self.decode, turn, entry.decode if entry is not None else None, tried)
+                self._dispatch.choose(self.decode, turn, entry.decode if entry is not None else None, tried)
             if backend is None:
                 break
             tried.add(backend.name)
@@ -407,7 +392,7 @@ class Router(Answers, Endpoints, Prefills):
             # the decode keeps the conversation only where a later turn can use it: a reverse read or a
             # decode-local turn (with neither, retention would hold memory for nobody)
             if self._decode_retains:
-                params = self._granted(params)
+                params = self._dispatch.granted(params)
             request = {**body, "kv_transfer_params": params}
             started = time.perf_counter()
             backend.in_flight += 1
@@ -417,7 +402,7 @@ class Router(Answers, Endpoints, Prefills):
             except BACKEND_FAILURES as exc:
                 backend.in_flight -= 1
                 turn.waited += time.perf_counter() - started
-                self._backend_failed(self.decode, backend, exc)
+                self._dispatch.failed(self.decode, backend, exc)
                 continue
             turn.waited += time.perf_counter() - started
             try:
@@ -426,8 +411,8 @@ class Router(Answers, Endpoints, Prefills):
                     continue
                 turn.decode = backend.name
                 if turn.stream and resp.status == 200:
-                    return await self._relay(turn, client, resp, backend, publish)
-                return await self._answer(turn, client, resp, backend)
+                    return await self._answers.relay(turn, client, resp, backend, publish)
+                return await self._answers.answer(turn, client, resp, backend)
             finally:
                 resp.release()
                 backend.in_flight -= 1
