@@ -33,6 +33,73 @@ def test_a_transition_counts_whole_blocks_of_the_held_kv() -> None:
     assert rt.common_prefix([1, 2, 3], [1, 2]) == 2 and rt.common_prefix([], [1]) == 0
 
 
+class _Encoding:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+
+class _Added:
+    def __init__(self, content: str) -> None:
+        self.content = content
+
+
+class GreedyTokenizer:
+    """The slice of ``tokenizers.Tokenizer`` the bench uses, in pure Python (CI's test venv has no
+    ``tokenizers``): control tokens first, then the longest vocabulary entry; every character of the chats is an
+    entry, and so are the words below, so "hello" also exists as "hel" + "lo"."""
+
+    SPECIAL = ("<|im_start|>", "<|im_end|>")
+
+    def __init__(self) -> None:
+        texts = [t for system, turns in CHATS for t in [system or "", *(t for pair in turns for t in pair)]]
+        chars = sorted({c for t in texts for c in t} | set(rt.CLOSING) | set("abcdefghijklmnopqrstuvwxyz\n <>/|_"))
+        words = ["<think>", "</think>", "the", "he", "in", "ing", " the", " a", "er", "re", "on", " in", "an", "en",
+                 "at", " to", " of", "or", "it", "is", " is", "ou", "you", "\n\n", "  ", "    ", "```", "assistant",
+                 "user", "system", ": ", "se", "te", "st", "es", "al", " s", "ion", " c", "ed", "nd", " and"]
+        self.vocab = {t: i for i, t in enumerate([*self.SPECIAL, *dict.fromkeys(words + chars)])}
+        self.text = {i: t for t, i in self.vocab.items()}
+        self.longest = max(map(len, self.vocab))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
+        ids, i = [], 0
+        while i < len(text):
+            n = next(n for n in range(min(self.longest, len(text) - i), 0, -1) if text[i:i + n] in self.vocab)
+            ids.append(self.vocab[text[i:i + n]])
+            i += n
+        return _Encoding(ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.text[i] for i in ids if not (skip_special_tokens and self.text[i] in self.SPECIAL))
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    def id_to_token(self, i: int) -> str:
+        return self.text[i]
+
+    def get_added_tokens_decoder(self) -> dict[int, _Added]:
+        return {self.vocab[t]: _Added(t) for t in self.SPECIAL}
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+def test_the_simulation_on_a_pure_python_tokenizer(template: str) -> None:
+    pytest.importorskip("jinja2")
+    served = Served("greedy", GreedyTokenizer(), CHATML if template == "chatml" else QWEN3, "<|im_end|>",
+                    template_kwargs=(("enable_thinking", False),))
+    split = _measure(served, "split")
+    again, exact, lenient = split["rerender"], split["exact_strict"], split["exact_lenient"]
+    assert again.answer_blocks_verified < again.answer_blocks  # "hel" "lo" comes back as "hello"
+    assert lenient.survived == lenient.transitions and lenient.answer_blocks_verified == lenient.answer_blocks > 0
+    if template == "chatml":
+        assert not exact.fallbacks and exact.answer_blocks_verified == exact.answer_blocks
+    else:  # the generation prompt's empty think block is gone from the next turn: nothing of the answer verifies
+        assert again.survived == 0 == again.answer_blocks_verified
+        assert exact.fallbacks["template_rewrites"] == exact.transitions
+
+
 def _trained(template: str) -> Served:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
