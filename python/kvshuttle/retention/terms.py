@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from .._values import as_float
 from ..errors import shown
 from ..policy.kv_handle import READ_MODES as READ_MODES  # re-exported: the retention words are the handle's
 from ..policy.kv_handle import ReadMode as ReadMode
@@ -75,11 +76,11 @@ class RetentionTerms:
         as_read_mode(self.read_mode)
         if self.budget_blocks is not None:
             check_count("budget_blocks", self.budget_blocks)
-        fraction = self.budget_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
-                math.isfinite(fraction) and 0 < fraction <= 1):
+        fraction = as_float(self.budget_fraction)  # None for a non-number, a bool, an int too large for a float
+        if fraction is None or not 0 < fraction <= 1:  # NaN fails both comparisons
             raise RetentionArgumentError(f"budget_fraction must be a share of the KV blocks in (0, 1], got "
-                                         f"{shown(fraction)}")
+                                         f"{shown(self.budget_fraction)}")
+        object.__setattr__(self, "budget_fraction", fraction)
         if not (isinstance(self.eviction, str) and self.eviction in EVICTION_POLICIES):
             raise RetentionArgumentError(f"eviction {shown(self.eviction)}: use one of {sorted(EVICTION_POLICIES)}")
         if not (isinstance(self.retain, str) and self.retain in RETAIN):
