@@ -58,8 +58,9 @@ def test_retention_terms_come_from_one_place() -> None:
 
     defaults = ShuttleConfig.from_extra({}, model="m")
     assert defaults.terms() == RetentionTerms() and ShuttleConfig().terms() == RetentionTerms()
-    config = ShuttleConfig.from_extra({"decoder_kv_blocks_ttl": 60, "kvshuttle_max_ttl_s": 600, "kvshuttle_reads":
-                                       "use_once", "kvshuttle_retention_budget_blocks": 9, "kvshuttle_retain": "always"})
+    config = ShuttleConfig.from_extra({"decoder_kv_blocks_ttl": 60, "kvshuttle_max_ttl_s": 600,
+                                       "kvshuttle_reads": "use_once", "kvshuttle_retention_budget_blocks": 9,
+                                       "kvshuttle_retain": "always"})
     assert config.terms() == RetentionTerms(ttl_s=60.0, max_ttl_s=600.0, read_mode="use_once", budget_blocks=9,
                                             retain="always")
     with pytest.raises(ConnectorConfigError, match="kvshuttle_reads"):
@@ -97,6 +98,8 @@ def test_cost_model() -> None:
     ({"kvshuttle_retain": True}, "kvshuttle_retain"),
     ({"kvshuttle_max_ttl_s": 0}, "kvshuttle_max_ttl_s"),
     ({"kvshuttle_max_ttl_s": float("inf")}, "kvshuttle_max_ttl_s"),
+    ({"kvshuttle_max_ttl_s": 10**400}, "kvshuttle_max_ttl_s"),  # too large for a float
+    ({"kvshuttle_retention_budget_fraction": 10**400}, "kvshuttle_retention_budget_fraction"),
     ({"kvshuttle_max_ttl_s": 60}, "kvshuttle_max_ttl_s"),  # below decoder_kv_blocks_ttl's 480
     ({"decoder_kv_blocks_ttl": 7200}, "kvshuttle_max_ttl_s"),
     ({"kvshuttle_advertise_host": ""}, "kvshuttle_advertise_host"),

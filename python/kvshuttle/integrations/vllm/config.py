@@ -223,7 +223,7 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float) -> float:
     value = extra.get(key, default)
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # an int too large for a float too
         seconds = math.nan
     if isinstance(value, bool) or not (math.isfinite(seconds) and seconds > 0):
         raise ConnectorConfigError(f"{key} must be a positive number of seconds, got {shown(value)}")
@@ -234,7 +234,7 @@ def _fraction(extra: Mapping[str, Any], key: str, default: float) -> float:
     value = extra.get(key, default)
     try:
         share = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # an int too large for a float too
         share = math.nan
     if isinstance(value, bool) or not (math.isfinite(share) and 0 < share <= 1):
         raise ConnectorConfigError(f"{key} must be a share of the KV blocks in (0, 1], got {shown(value)}")
