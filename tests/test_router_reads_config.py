@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 
 import pytest
 
 from kvshuttle.retention.terms import DEFAULT_ROUTER_TTL_S, DEFAULT_TTL_S, ROUTER_READ_MODE
 from kvshuttle.router import BackendSpec, RouterConfig, RouterConfigError
 from kvshuttle.router.main import add_arguments, config_from
+from router_helpers import Conversation, LoopThread, deploy, prefill_handles, wait_until
 
+pytest_plugins = ["router_fixtures"]  # loop
 P, D = [BackendSpec("http://127.0.0.1:8100")], [BackendSpec("http://127.0.0.1:8200")]
 
 
@@ -69,3 +73,50 @@ def test_who_releases_a_handle_it_has_no_use_for() -> None:
     # kept in the store (multi_read): concurrent turns may read a multi-read handle, never a use-once one
     assert not multi.sole_user(_params("multi_read")) and not multi.sole_user(_params(None))
     assert multi.sole_user(_params("use_once"))
+
+
+@pytest.mark.parametrize(("router", "decode", "released"), [
+    ("multi_read", "use_once", True),  # the handle says use-once: no concurrent turn could read it
+    ("multi_read", "multi_read", False),  # a concurrent turn may still read it from the store
+    ("use_once", "multi_read", True),  # taken from the store: this turn's alone (as before handles said)
+])
+def test_a_handle_left_unread_is_released_as_its_read_mode_says(loop: LoopThread, router: str, decode: str,
+                                                                released: bool) -> None:
+    d = deploy(loop, reads=router)
+    try:
+        d.decodes[0].read_mode = decode  # type: ignore[assignment]
+        d.prefills[0].read_tokens = 0  # its own cache held the history: turn 1's handle goes unread
+        chat = Conversation(d.client(), "c", "hello")
+        chat.turn(stream=False)
+        chat.turn(stream=False)
+        first = d.decodes[0].issued_params[0]
+        assert first is not None and first["kvshuttle_reads"] == decode
+        if released:
+            assert wait_until(lambda: d.decodes[0].stats.released == [first["kvshuttle_handle_id"]])
+        else:
+            time.sleep(0.5)  # a release would be under way by now
+            assert d.decodes[0].stats.released == []
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize(("decode", "both"), [("use_once", False), ("multi_read", True)])
+def test_concurrent_turns_share_a_handle_only_when_it_is_multi_read(loop: LoopThread, decode: str,
+                                                                   both: bool) -> None:
+    """With --reads multi_read, a use-once handle is still taken by one turn: its second reader could only fail."""
+    d = deploy(loop, reads="multi_read")
+    try:
+        d.decodes[0].read_mode = decode  # type: ignore[assignment]
+        first = Conversation(d.client(), "c", "hi")
+        first.turn(stream=False)
+        d.prefills[0].barrier = 2  # both second turns looked up their handle before either one's decode stores
+        threads = [threading.Thread(target=Conversation(d.client(), "c", "hi", messages=list(first.messages)).turn,
+                                    args=(False,)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        offered = [bool(p.get("kvshuttle_handle_id")) for p in prefill_handles(d.prefills[0])[1:]]
+        assert sorted(offered) == ([True, True] if both else [False, True])
+    finally:
+        d.close()

@@ -272,9 +272,9 @@ class RouterConfig:
         return word if isinstance(word, str) and word in READ_MODES else self.reads
 
     def sole_user(self, params: dict[str, Any] | None) -> bool:
-        """Whether the turn that looked up this handle is the only one that can still use it, so that it releases
-        the handle once it has no use for it (superseded, unread): the router took it from the store (``reads``
-        use_once), or the handle itself is use-once (no other turn could read it, whatever the router's setting)."""
+        """Whether the turn that looked up this handle took it from the store, so no other turn can use it and the
+        turn releases it once it has no use for it (superseded, unread): a lookup takes every handle when ``reads``
+        is use_once, and a handle that is use-once itself whatever the setting (it has one reader: the taker)."""
         return self.reads == "use_once" or self.read_mode_of(params) == "use_once"
 
     @property

@@ -53,7 +53,7 @@ class Prefills:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, connect=self.config.connect_timeout_s)
         # what the next attempt sends: a failed prefill may have consumed a use-once handle
         offer = handle if self.config.reverse_reads else None
-        if entry is not None and handle is not None and offer is None and self.config.reads == "use_once":
+        if entry is not None and handle is not None and offer is None and self.config.sole_user(handle):
             self._releases.later(entry)  # taken, never to be read
         for attempt in range(1 + self.config.retries):
             backend = self._dispatch.choose(self.pool, turn, entry.prefill if entry is not None else None, tried)
@@ -97,7 +97,7 @@ class Prefills:
             sent = bool(request["kv_transfer_params"].get("remote_block_ids"))
             if type(read) is int and 0 <= read < 1 << 31:
                 self.metrics.read_tokens.inc(read)
-                if sent and not read and entry is not None and self.config.reads == "use_once":
+                if sent and not read and entry is not None and self.config.sole_user(entry.params):
                     # its own cache held the history (or too little was left to pay): the handle was not used,
                     # and the decode's next handle supersedes it; the decode need not hold it to its TTL
                     self._releases.later(entry)

@@ -288,7 +288,7 @@ class Router:
                 if warm is not None:
                     warm.placed(turn.key, None)
                 response = await self._decode(turn, request, body, None, headers, entry, prefer=local)
-                if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
+                if entry is not None and self.config.sole_user(entry.params) and self.config.connector == "kvshuttle":
                     self._releases.later(entry)  # the new turn's handle holds the history now
             else:
                 p_params, failed = await self._prefills.run(turn, body, entry, headers)
@@ -298,7 +298,7 @@ class Router:
                     warm.placed(turn.key, turn.prefill)
                 response = await self._decode(turn, request, body, p_params, headers, entry)
         except asyncio.CancelledError:  # the client went away: the handle this turn took is of use to no one now
-            if entry is not None and self.config.reads == "use_once" and self.config.connector == "kvshuttle":
+            if entry is not None and self.config.sole_user(entry.params) and self.config.connector == "kvshuttle":
                 self._releases.later(entry)
             raise
         if warm is not None and turn.learned == "stored":
@@ -355,6 +355,9 @@ class Router:
                 found = await self.store.take(key, turn.tenant or "", turn.conversation or "")
             else:
                 found = await self.store.get(key, turn.tenant or "", turn.conversation or "")
+                if found.entry is not None and self.config.read_mode_of(found.entry.params) == "use_once":
+                    # one reader only: this turn takes it (atomically; a concurrent turn that took it first wins)
+                    found = await self.store.take(key, turn.tenant or "", turn.conversation or "")
         except StoreError as exc:
             log.info("router: store lookup failed, recomputing: %s", exc)
             self.metrics.store_errors.labels("lookup").inc()
