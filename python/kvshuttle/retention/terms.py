@@ -33,8 +33,8 @@ DEFAULT_MAX_TTL_S = 3600.0  # what a renewal may ask for at most: an hour of idl
 DEFAULT_PREFILL_TTL_S = 30.0  # prefill keeps a prompt's blocks this long for its decode (kv_lease_duration)
 # A retried turn can read again; "use_once" is vLLM's behaviour (the first read frees the blocks)
 DEFAULT_READ_MODE: ReadMode = "multi_read"
-# What a router assumes of a handle that does not say: taking it atomically is right for either decode mode (a
-# multi-read handle taken is only not shared with a concurrent turn), keeping it is wrong for a use-once one.
+# The router's --reads: a lookup takes a stored handle atomically, right for either decode mode (a multi-read
+# handle taken is only not shared with a concurrent turn); a use-once handle is taken whatever the setting.
 ROUTER_READ_MODE: ReadMode = "use_once"
 # The router forgets a handle this long before the decode does, so a stored handle is still live when used.
 ROUTER_TTL_MARGIN_S = 30.0
