@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -76,11 +77,19 @@ class ReuseReader:
         self.cooldown_s = float(cooldown_s)
         self.owners = OwnerPool(engine, cooldown_s=cooldown_s, allowed_owners=allowed_owners)
         self.allowed_owners = self.owners.allowed_owners
-        self.path: Path = path
         self.tp_rank, self.tp_size, self.num_kv_heads = check_rank_args(engine, tp_rank, tp_size, num_kv_heads)
         self._ranked = RankedFetch(engine, self.owners, path, self.tp_rank, self.tp_size, self.num_kv_heads,
                                    self.timeout_s)
         self._clock = clock
+
+    @property
+    def path(self) -> Path:
+        """The path reads prefer (``auto``, ``direct`` or ``packed``); settable between reads."""
+        return self._ranked.path
+
+    @path.setter
+    def path(self, value: Path) -> None:
+        self._ranked = replace(self._ranked, path=value)
 
     def read(self, kv_transfer_params: Any, prompt: TokenIds | PromptDigests, *, local_hit_tokens: int,
              local_block_ids: Sequence[int] | np.ndarray[Any, Any], clock_offset_s: float = 0.0) -> ReuseResult:
