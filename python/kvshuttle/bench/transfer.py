@@ -190,8 +190,9 @@ def _auto_vs_best(samples: dict[str, list[float]]) -> tuple[float, dict[str, flo
 
 def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chunk_mib: float,
                depth: int) -> list[dict[str, Any]]:
-    from .. import _native
+    from ..core import native  # the one door to the extension
 
+    native.require()
     total = args.blocks + args.spare_blocks
     config = {"staging_chunk_bytes": int(chunk_mib * (1 << 20)), "staging_chunks": max(4, 2 * depth),
               "pipeline_depth": depth}
@@ -206,7 +207,7 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
             for pattern in patterns:
                 lids, rids = block_ids(pattern, args.blocks, total, rng)
                 nbytes = args.blocks * g.num_planes * g.piece_bytes
-                samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(_native, nbytes))
+                samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(native.ext, nbytes))
                 if source is not None and not all(verified.values()):
                     raise AssertionError(f"{shape.name} {pattern}: wrong bytes read by {verified}")
                 times = medians(samples)
