@@ -14,6 +14,7 @@ BENCHES = {
     "transfer": "kvshuttle.bench.transfer",
     "policy": "kvshuttle.bench.policy",
     "retention": "kvshuttle.bench.retention",
+    "index": "kvshuttle.bench.index",
     "e2e": "kvshuttle.bench.e2e.bench",
     "router": "kvshuttle.bench.router",
     "placement": "kvshuttle.bench.e2e.placement",
