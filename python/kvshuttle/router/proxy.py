@@ -3,9 +3,9 @@
 Per turn (vLLM's disaggregated proxies' protocol, see ``docs/ARCHITECTURE.md``):
 
 1. tenant (configured header or API key, checked in constant time) and the whole request body, bounded in
-   size and time and checked (:mod:`.bodies`), all before the turn takes an admission slot; conversation
-   (``conversation_id`` body field or ``X-Conversation-Id`` header); client-supplied ``kv_transfer_params``
-   are dropped, untrusted;
+   size and time and checked (:mod:`.bodies`), all before the turn takes an admission slot; conversation key
+   (the ``conversation_id`` body field, or a client's session header: :mod:`.session_keys`); client-supplied
+   ``kv_transfer_params`` are dropped, untrusted;
 2. the conversation's stored decode handle is taken (use-once) or read (multi-read) from the store;
 3. prefill: ``stream=false``, ``max_tokens=1``, ``kv_transfer_params`` = the handle (prefill reads the
    conversation's KV back from the decode) or turn 1's ``{"do_remote_decode": true, ...}``, with a
@@ -61,6 +61,7 @@ from .prewarm import Prewarmer, answer_from_events
 from .redact import install_filter, redact_url, register, url_secrets
 from .relay import error_response as _error
 from .releases import Releases
+from .session_keys import BODY_FIELD
 from .store import HandleStore, MemoryStore, RedisStore, StoredHandle
 from .turn import Turn
 
@@ -257,12 +258,15 @@ class Router:
 
     async def _turn(self, request: web.Request, endpoint: str, body: dict[str, Any],
                     tenant: str | None) -> web.StreamResponse:
-        raw_conversation = body.pop("conversation_id", None)
-        if raw_conversation is None:
-            raw_conversation = request.headers.get("X-Conversation-Id")
+        # The body field never reaches a backend, wherever the key comes from
+        raw_conversation, source = self.config.session_keys.pick({BODY_FIELD: body.pop(BODY_FIELD, None)},
+                                                                 request.headers)
         conversation = valid_id(raw_conversation) if raw_conversation is not None else None
         if raw_conversation is not None and conversation is None:
-            return self._refused(endpoint, 400, "conversation_id must be a printable string of 1..256 characters")
+            return self._refused(endpoint, 400, f"the conversation key ({source}) must be a printable string of "
+                                                "1..256 characters")
+        if source is not None:
+            self.metrics.session_keys.labels(source).inc()
         if body.pop("kv_transfer_params", None) is not None:
             self.metrics.client_params_dropped.inc()
         if self._salt_key is not None:  # the tenant's own prefix-cache entries (a client's salt folded in)
