@@ -31,8 +31,8 @@ from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
 from ...trust import DeploymentSecret
-from .cpu_pinning import check_cpus, pin, thread_ids
 from .config import ConnectorConfigError, ShuttleConfig
+from .cpu_pinning import check_cpus, pin, thread_ids
 from .layered import LayeredLoads, load_failure
 from .metadata import LoadJob, RetainJob, ShuttleHandshake, ShuttleMetadata, ShuttleWorkerMeta
 from .stats import ShuttleStats
