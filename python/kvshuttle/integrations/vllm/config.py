@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..._values import is_int
@@ -78,6 +78,11 @@ class ShuttleConfig:
     # a path, never the secret: this config travels on vLLM's command line
     secret_file: str | None = None
     allowed_owners: tuple[str, ...] | None = None  # kvshuttle_allowed_owners: hosts / host:port reads may come from
+    # kvshuttle_content_index: the deployment's content index (redis://...): this decode publishes its retentions
+    # there, and a request reaching this prefill without a handle looks its prompt up there; None: off
+    content_index: str | None = field(default=None, repr=False)  # (a URL may hold a password)
+    # kvshuttle_content_index_wait_s: the longest a request waits for its lookup before it recomputes
+    content_index_wait_s: float = 0.1
 
     def deployment_secret(self) -> DeploymentSecret:
         """The secret both sides authenticate with (TrustError names what is wrong)."""
@@ -110,7 +115,8 @@ class ShuttleConfig:
                  "kvshuttle_cost_model", "kvshuttle_retention_budget_fraction", "kvshuttle_retain",
                  "kvshuttle_max_ttl_s", "kvshuttle_advertise_host", "kvshuttle_max_concurrent_loads",
                  "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s",
-                 "kvshuttle_load_mode", "kvshuttle_layered_timeout_s", "kvshuttle_transfer_cpus"}
+                 "kvshuttle_load_mode", "kvshuttle_layered_timeout_s", "kvshuttle_transfer_cpus",
+                 "kvshuttle_content_index", "kvshuttle_content_index_wait_s"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
@@ -153,6 +159,8 @@ class ShuttleConfig:
             cost_model=None if cost is None else {str(k): float(v) for k, v in cost.items()},
             secret_file=_optional_text(extra, "kvshuttle_secret_file"),
             allowed_owners=_owners(extra.get("kvshuttle_allowed_owners")),
+            content_index=_index_url(extra),
+            content_index_wait_s=_seconds(extra, "kvshuttle_content_index_wait_s", 0.1),
         )
         try:
             config.policy()
@@ -175,6 +183,14 @@ class ShuttleConfig:
             raise ConnectorConfigError(f"kvshuttle_host {config.host!r} listens on every address: set "
                                        "kvshuttle_advertise_host to the address readers reach this engine at")
         return config
+
+
+def _index_url(extra: Mapping[str, Any]) -> str | None:
+    url = _optional_text(extra, "kvshuttle_content_index")
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConnectorConfigError(f"kvshuttle_content_index must be a Redis URL (redis://host:port/db), got "
+                                   f"{shown(url[:80])}")
+    return url
 
 
 def _optional_text(extra: Mapping[str, Any], key: str) -> str | None:

@@ -33,6 +33,7 @@ from .compat import (
     worker_tp_rank,
 )
 from .config import ConnectorConfigError, ShuttleConfig
+from .content_lookups import content_lookups
 from .guard import HookGuard
 from .metadata import ShuttleHandshake, ShuttleMetadata
 from .scheduler import ShuttleScheduler
@@ -57,9 +58,13 @@ class KVShuttleConnector(KVConnectorBase_V1):
         block_size = int(vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
             force_recompute_on_load_failure(vllm_config)
-            self._attach(ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size,
-                                           num_layers=parallel.num_layers, cpu_host=on_cpu(),
-                                           cache_dtype=cache_dtype(vllm_config)), None)
+            scheduler = ShuttleScheduler(config, engine_id, block_size, tp_size=parallel.tp_size,
+                                         num_layers=parallel.num_layers, cpu_host=on_cpu(),
+                                         cache_dtype=cache_dtype(vllm_config))
+            if config.content_index is not None:
+                scheduler.lookups = content_lookups(config.content_index, scheduler.secret, block_size,
+                                                    config.content_index_wait_s)
+            self._attach(scheduler, None)
         else:  # one worker per tensor-parallel rank, each serving and reading its own head shard
             rank = worker_tp_rank() if parallel.tp_size > 1 else 0
             self._attach(None, ShuttleWorker(config, engine_id, block_size, tp_rank=rank, tp_size=parallel.tp_size,
@@ -228,6 +233,11 @@ class KVShuttleConnector(KVConnectorBase_V1):
         if self._worker is not None:
             try:
                 self._worker.shutdown()
+            except Exception as exc:
+                self._guard.failed("shutdown", exc)
+        if self._scheduler is not None and self._scheduler.lookups is not None:
+            try:
+                self._scheduler.lookups.close()
             except Exception as exc:
                 self._guard.failed("shutdown", exc)
 

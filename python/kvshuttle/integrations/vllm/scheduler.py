@@ -44,6 +44,7 @@ from ...policy.kv_handle import PREFIX
 from ...transfer.board import PUBLISH_KEY, check_publish_key
 from ...trust import GRANT_FIELD, DeploymentSecret, GrantBook
 from .config import ShuttleConfig
+from .content_lookups import PENDING, ContentLookups
 from .metadata import LoadJob, Publication, RetainJob, ShuttleHandshake, ShuttleMetadata
 from .requests import block_table, finished_normally, unsupported
 from .stats import ShuttleStats
@@ -85,6 +86,11 @@ class ShuttleScheduler:
         # layered load without it. None until bound to the engine's cache (``bind_prefix_cache``).
         self.sync_loads: SyncLoadGuard | None = None
         self.prefix_cache_bound = False
+        # The deployment's content index (kvshuttle_content_index): a request without a handle finds a retained
+        # prefix by its digests; this decode's retentions are published there. None: off.
+        self.lookups: ContentLookups | None = None
+        self._by_content: set[str] = set()  # requests whose load came from the index (their params say nothing)
+        self._indexed: dict[str, str] = {}  # request -> handle id of the retentions published, until they end
 
     def bind_prefix_cache(self, cache: PrefixCache | None) -> None:
         """The engine's prefix cache (``compat.engine_prefix_cache``; None: not found, layered loads are read
@@ -114,9 +120,11 @@ class ShuttleScheduler:
                                          f"channel (ranks {sorted(metadata)[:8]}); nothing is retained")
             return
         self._ranks = tuple(r for r in ranks if isinstance(r, ShuttleHandshake))
+        if self.lookups is not None and self._ranks:  # its retentions name rank 0's side channel
+            self.lookups.serve_as(self._ranks[0].address)
 
     # -- admission ------------------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to read beyond the local hit, and whether asynchronously (vLLM waits for the read, then schedules
         the suffix) or not (layer-pipelined: computed in this step); (0, False) to compute them. No side effects
         on vLLM's state: it may ask again for the same request."""
@@ -124,11 +132,19 @@ class ShuttleScheduler:
         params = request.kv_transfer_params
         if self.config.retain == "granted" and isinstance(params, dict) and GRANT_FIELD in params:
             self._grants.admit(request.request_id, params[GRANT_FIELD])  # at arrival: covers a long answer
-        if not isinstance(params, dict) or not params or params.get(CONSUMED) or (PREFIX + "version") not in params:
+        if (isinstance(params, dict) and params.get(CONSUMED)) or request.request_id in self._by_content:
+            return 0, False  # loaded once already (the same request after a preemption)
+        if not isinstance(params, dict) or not params or (PREFIX + "version") not in params:
             if isinstance(params, dict) and params.get("remote_block_ids") and (PREFIX + "version") not in params:
                 self._warn_once("foreign", "kvshuttle: kv_transfer_params from another connector (no kvshuttle "
                                            "handle): they cannot be verified, recomputing")
-            return 0, False
+                return 0, False
+            found = self._find_by_content(request)
+            if found is None:
+                return 0, False
+            if found is PENDING:
+                return None, False  # asked again next step; the lookup is bounded (content_lookups.py)
+            params = found
         if params.get("do_remote_decode") and not self.config.bidirectional:
             self._warn_once("bidir", "kvshuttle: a decode handle reached this engine, but bidirectional_kv_xfer is "
                                      "off here: recomputing (enable it on prefill and decode)")
@@ -161,6 +177,23 @@ class ShuttleScheduler:
             decision = whole
         self._decisions[request.request_id] = (num_computed_tokens, decision, handle, layered)
         return decision.fetch_tokens, not layered  # layered: a synchronous load, computed in this step
+
+    def _find_by_content(self, request: Any) -> dict[str, Any] | object | None:
+        """The signed params of the retention holding the longest indexed prefix of this request's prompt, PENDING,
+        or None (no index, nothing found in time, or a request whose tokens do not name its KV)."""
+        if self.lookups is None or not self.config.bidirectional or unsupported(request):
+            return None
+        found = self.lookups.find(request.request_id, self._scope(request), request.prompt_token_ids,
+                                  self._salted(request).extra_key)
+        if found is PENDING or found is None:
+            return found
+        return dict(found.params)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _scope(request: Any) -> str:
+        """The index scope of a request: its cache_salt (a tenant's, set by the router), or the shared one."""
+        salt = getattr(request, "cache_salt", None)
+        return salt if isinstance(salt, str) else ""
 
     def _layered(self, decision: Decision, handle: KVHandle) -> bool:
         """Whether to read this fetch layer by layer (``kvshuttle_load_mode``). ``auto``: not on a CPU host (the
@@ -210,7 +243,10 @@ class ShuttleScheduler:
             self._hold(request, first, local)
         # commit last (nothing below can fail): a load is queued exactly when vLLM waits for it
         del self._decisions[request.request_id]
-        request.kv_transfer_params[CONSUMED] = True  # the same dict survives preemption: never load twice
+        if isinstance(request.kv_transfer_params, dict) and (PREFIX + "version") in request.kv_transfer_params:
+            request.kv_transfer_params[CONSUMED] = True  # the same dict survives preemption: never load twice
+        else:  # found by content: the request's own params (if any) name no handle
+            self._by_content.add(request.request_id)
         self._reads[request.request_id] = (decision.fetch_tokens, frozenset(local))
         self._loads.append(job)
         if not layered:  # vLLM waits for finished_recving only for an asynchronous load
@@ -273,10 +309,16 @@ class ShuttleScheduler:
         job, out = self._retention(request, block_ids, params, read)
         publication = self._publication(request_id, params, out)
         self._grants.finish(request_id)
+        self._by_content.discard(request_id)
+        if self.lookups is not None:
+            self.lookups.forget(request_id)
         if job is not None:
             self._retains.append(job)
             self._held.add(request_id)
             self._count("retained")
+            if self.lookups is not None and out is not None and out.get("do_remote_decode"):
+                self.lookups.publish(self._scope(request), job.digests, job.num_tokens, out, time.time() + job.ttl_s)
+                self._indexed[request_id] = job.handle_id
         if publication is not None:
             self._publications.append(publication)
         return job is not None, out
@@ -290,6 +332,9 @@ class ShuttleScheduler:
         self._decisions.pop(request_id, None)
         self._reads.pop(request_id, None)
         self._grants.finish(request_id)
+        self._by_content.discard(request_id)
+        if self.lookups is not None:
+            self.lookups.forget(request_id)
         params = getattr(request, "kv_transfer_params", None)
         key = params.get(PUBLISH_KEY) if isinstance(params, dict) else None
         if key is not None and request_id not in self._held:
@@ -381,6 +426,11 @@ class ShuttleScheduler:
                                             "side holds no blocks or load for; not passed on to vLLM")
         sending &= self._held
         recving &= self._awaiting
+        if self.lookups is not None:  # retentions that ended: no lookup should find them any more
+            for request_id in sending:
+                handle_id = self._indexed.pop(request_id, None)
+                if handle_id is not None:
+                    self.lookups.withdraw(handle_id)
         self._held -= sending
         self._ending -= sending
         self._awaiting -= recving
@@ -405,6 +455,9 @@ class ShuttleScheduler:
             for what, n in self.sync_loads.counts.items():
                 self.counts[f"sync_load.{what}"] = self.counts.get(f"sync_load.{what}", 0) + n
             self.sync_loads.counts = {}
+        if self.lookups is not None:
+            for what, n in self.lookups.take_counts().items():
+                self.counts[f"index.{what}"] = self.counts.get(f"index.{what}", 0) + n
         stats, self.counts = ShuttleStats.counting(self.counts, "decision"), {}
         return stats
 
