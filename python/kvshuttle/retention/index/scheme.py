@@ -41,8 +41,11 @@ from ...trust import DeploymentSecret
 from ..errors import RetentionError
 
 PURPOSE = "content-index"  # the deployment secret's key for this index: independent of every other MAC's
-DEFAULT_STRIDE = 32  # benchmarks/results/vm5_index.json: see bench/index.py
-MAX_POSITIONS = 512  # digests asked per lookup or published per retention (a 1M-token prompt at stride 32: 1,960)
+# Every 64th block (1,024 tokens): a 70k-token conversation publishes 75 keys and a lookup asks as many; 32 and 16
+# cost a lookup about 2x and 4x the keys for nothing a reader needs (verification finds the exact match), see
+# benchmarks/results/vm5_index_strides.json.
+DEFAULT_STRIDE = 64
+MAX_POSITIONS = 512  # digests asked per lookup or published per retention (a 1M-token prompt at stride 64: 983)
 MAX_RECORD_BYTES = 1 << 20  # one handle's params, JSON; a 70k-token handle is about 170 KB
 RECORD_VERSION = 1
 Mode = Literal["m", "u"]  # multi-read, use-once (pointer encoding)
