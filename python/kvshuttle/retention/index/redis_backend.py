@@ -12,6 +12,11 @@ the data, not in a second exchange):
 * withdraw: the record and its place in the live set (the digest keys name nothing from then on);
 * start: a new incarnation made current; the previous incarnation's records deleted.
 
+Bounded: a lookup asks at most ``MAX_POSITIONS`` keys and reads at most ``max_tries`` records; a publisher keeps
+at most ``max_per_publisher`` live records; a record over ``max_record_bytes`` is neither published nor served;
+every key expires with its retention except one incarnation key per publisher address (a few bytes).
+
+Thread-safe (redis-py's connection pool); the counts of :meth:`stats` may miss an increment under contention.
 Standalone Redis (the scripts touch keys they compute, which Redis Cluster does not allow). Failures and
 timeouts (``timeout_s``, per socket operation, no retries) answer None / False: the caller recomputes. After
 ``TRIP_AFTER`` failures in a row Redis is skipped for ``backoff_s`` (a dead Redis costs a lookup nothing).
