@@ -318,3 +318,28 @@ def test_redis_skips_a_dead_incarnation_whose_records_survived(redis_server: Any
     match = p.lookup("t", chain(base))
     assert match is not None and match.handle_id == "live"  # the deeper, dead one is skipped
     assert p.stats()["stale_skipped"] > 0
+
+
+def test_the_bench_runs_small_and_prints_the_schema() -> None:
+    import argparse
+    import shutil
+
+    from kvshuttle.bench import index as bench
+    from kvshuttle.bench import schema
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(["--retentions", "300", "--lookups", "30", "--probes", "30",
+                                          "--strides", "16,64"]))
+    schema.check(result)
+    assert bench.format_table(result)
+    rows = result["results"]
+    assert [r["case"] for r in rows if r["stride"] == 64] == ["publish", "next_turn_mix", "next_turn_70k",
+                                                              "preamble_1k", "miss_2k", "miss_70k"]
+    for row in rows:
+        assert row["verified"] is True and row["rounds"] >= 1 and all(v > 0 for v in row["seconds"].values())
+        assert sorted(k for k in row if "_vs_" in k) == sorted(row.get("ratio_spread", {}))
+    publish = {r["stride"]: r["keys_per_retention"] for r in rows if r["case"] == "publish"}
+    assert publish[16] > publish[64]  # a sparser chain publishes fewer keys

@@ -38,6 +38,7 @@ from ..retention.index.redis_backend import RedisContentIndex
 from ..retention.index.scheme import lookup_positions
 from ..trust import DeploymentSecret
 from .schema import envelope
+from .timing import speedups
 
 B = 16  # tokens per block
 SECRET = DeploymentSecret(b"kvshuttle-bench-index-secret-0123456789abcdef")
@@ -188,20 +189,22 @@ def _run_stride(stride: int, url: str, args: argparse.Namespace, rng: np.random.
                 get_s.append(t2 - t1)
                 mget_s.append(t3 - t2)
         asked = len(lookup_positions(len(prompts[0][0]), stride))
-        p = {k: {"p50": _pct(v, 50), "p99": _pct(v, 99)}
-             for k, v in (("lookup", lookup_s), ("get", get_s), ("mget", mget_s))}
+        samples = {"lookup": lookup_s, "get": get_s, "mget": mget_s}
+        ratios, spreads = speedups(samples, {"lookup_vs_get": ("lookup", "get"), "lookup_vs_mget": ("lookup", "mget")})
+        p = {k: {"p50": _pct(v, 50), "p99": _pct(v, 99)} for k, v in samples.items()}
         results.append({
             "stride": stride, "case": name, "retentions": n, "keys_asked": asked, "rounds": len(lookup_s),
             "record_bytes_mean": round(statistics.mean(record_bytes[c.base] for c, _, _ in prompts))
             if prompts[0][1] else 0,
             "seconds": {f"{k}_{q}": float(f"{v[q]:.6g}") for k, v in p.items() for q in ("p50", "p99")},
-            "lookup_vs_get": round(p["get"]["p50"] / p["lookup"]["p50"], 3),
-            "lookup_vs_mget": round(p["mget"]["p50"] / p["lookup"]["p50"], 3),
-            "p99_lookup_vs_mget": round(p["mget"]["p99"] / p["lookup"]["p99"], 3),
+            **ratios,
+            "ratio_spread": spreads,
+            "p99_mget_over_lookup": round(p["mget"]["p99"] / p["lookup"]["p99"], 3),
+            "lookup_p99_minus_mget_p99_ms": round((p["lookup"]["p99"] - p["mget"]["p99"]) * 1e3, 3),
             "verified": True,
         })
     gc.unfreeze()
-    build = {"stride": stride, "case": "publish", "retentions": n, "digest_keys": keys,
+    build = {"stride": stride, "case": "publish", "retentions": n, "rounds": n, "digest_keys": keys,
              "keys_per_retention": round(keys / n, 1), "redis_used_memory_bytes": memory, "build_s": round(build_s, 1),
              "seconds": {"publish_p50": float(f"{_pct(publish_s, 50):.6g}"),
                          "publish_p99": float(f"{_pct(publish_s, 99):.6g}")},
