@@ -118,8 +118,8 @@ def _pct(values: list[float], q: float) -> float:
 def _run_stride(stride: int, url: str, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
     import redis
 
-    raw = redis.Redis.from_url(url)
-    raw.flushdb()
+    raw = redis.Redis.from_url(url, socket_timeout=120.0)  # flushing a million keys on a busy machine is slow
+    raw.flushdb(asynchronous=True)
     n, started = args.retentions, time.perf_counter()
     low, high = math.log(args.min_tokens), math.log(args.max_tokens)
     sizes = (np.exp(rng.uniform(low, high, size=n)) // B).astype(int)
@@ -212,7 +212,7 @@ def _run_stride(stride: int, url: str, args: argparse.Namespace, rng: np.random.
     for client in (decode, reader):
         client.close()
     floor.close()
-    raw.flushdb()
+    raw.flushdb(asynchronous=True)
     raw.close()
     return {"build": build, "lookups": results}
 
