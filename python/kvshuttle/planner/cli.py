@@ -23,6 +23,7 @@ from ..retention.terms import DEFAULT_TTL_S
 from .errors import PlannerError
 from .profile import PROFILE_NAMES, load_profile
 from .simulate import Threshold
+from .tiers import Tier
 from .trace import SyntheticSpec, example_trace_path, load_trace, synthetic_trace, write_trace
 
 
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the profile's TP size: the KV splits over N ranks by KV heads, each reading "
                              "its shard over its own link (the profile's bandwidth is per rank); prefill and decode "
                              "times stay the profile's")
+    parser.add_argument("--tier", action="append", default=[], metavar="NAME:TTL_S:GBPS[:OVERHEAD_MS[:PRICE]]",
+                        help="a lower retention tier after the hot one (repeat, in order), e.g. host:1800:25:0.2:0.001 "
+                             "(TTL counted from when a retention moved there; GB/s per rank; $ per GiB-hour): "
+                             "a turn after the hot TTL reads from the tier its retention is in")
     parser.add_argument("--queue", action="store_true", help="requests wait for their prefill worker (FIFO)")
     parser.add_argument("--expiry-margin", type=float, default=5.0, help="seconds of TTL a read needs left")
     parser.add_argument("--plots", metavar="DIR", help="write ttft_vs_prompt.png and retained_vs_ttl.png here")
@@ -163,7 +168,8 @@ def _main(args: argparse.Namespace) -> int:
                          expiry_margin_s=args.expiry_margin, progress=not args.no_progress and not args.json,
                          command=command.strip() or "kvshuttle plan",
                          placement=Placement(args.affinity, args.prewarm, args.decode_local,
-                                             round_robin=args.round_robin))
+                                             round_robin=args.round_robin),
+                         tiers=[Tier.parse(t) for t in args.tier])
     if args.plots:
         doc["plots"] = [str(p) for p in write_plots(doc, runs, args.plots)]
     text = format_plan(doc)

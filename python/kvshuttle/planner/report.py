@@ -23,6 +23,7 @@ import numpy as np
 
 from .profile import CostProfile
 from .simulate import BASELINES, NO_PLACEMENT, Mode, ModeRun, Placement, PreparedTrace, Threshold, simulate, summarize
+from .tiers import Tier
 from .trace import Trace, uniform_trace
 
 SCHEMA = 1
@@ -58,12 +59,14 @@ def placement_for(mode: str, placement: Placement) -> Placement:
 
 def run_plan(trace: Trace, profile: CostProfile, ttls: Sequence[float], thresholds: Sequence[Threshold], *,
              prefill_workers: int = 1, queue: bool = False, expiry_margin_s: float = 5.0, progress: bool = False,
-             command: str = "", placement: Placement = NO_PLACEMENT) -> tuple[dict[str, Any], dict[str, ModeRun]]:
+             command: str = "", placement: Placement = NO_PLACEMENT,
+             tiers: Sequence[Tier] = ()) -> tuple[dict[str, Any], dict[str, ModeRun]]:
     """Simulate the baselines once and both reverse-read modes per TTL x threshold; the JSON document and the
-    runs (keyed ``mode``, or ``mode@ttl@threshold``) for plotting."""
+    runs (keyed ``mode``, or ``mode@ttl@threshold``) for plotting. ``tiers``: lower retention tiers after each
+    TTL (the TTL is then the hot tier's)."""
     prepared = PreparedTrace(trace, profile.block_size, progress=progress)
     options: dict[str, Any] = {"prefill_workers": prefill_workers, "queue": queue, "expiry_margin_s": expiry_margin_s,
-                               "placement": asdict(placement)}
+                               "placement": asdict(placement), "tiers": [asdict(t) for t in tiers]}
     bar = _progress(len(BASELINES) + 2 * len(ttls) * len(thresholds), progress, "simulating")
     runs: dict[str, ModeRun] = {}
     baselines = {}
@@ -80,7 +83,7 @@ def run_plan(trace: Trace, profile: CostProfile, ttls: Sequence[float], threshol
             for mode in REVERSE:
                 run = simulate(prepared, profile, mode=mode, ttl_s=ttl, threshold=threshold,
                                prefill_workers=prefill_workers, queue=queue, expiry_margin_s=expiry_margin_s,
-                               placement=placement_for(mode, placement))
+                               placement=placement_for(mode, placement), tiers=tiers)
                 runs[f"{mode}@{ttl}@{threshold}"] = run
                 entry[mode] = summarize(run)
                 if bar is not None:
@@ -141,10 +144,35 @@ def format_plan(doc: dict[str, Any]) -> str:
                      f"turn {_fmt(rr['turn_s']['mean'])} vs {_fmt(doc['baselines']['cache_miss']['turn_s']['mean'])}; "
                      f"costs {rr['retained_gib_s']:.0f} GiB-s of decode memory "
                      f"(peak {rr['retained_peak_gib']:.1f} GiB)")
+    lines.extend(_tier_lines(doc))
     lines.append("TTFT mean/p50/p99 over all turns; turn = TTFT + decode (mean); hit = turns 2+ that read from decode; "
                  "local = turns 2+ with a local prefix-cache hit; GiB-s = decode memory held for reuse x time"
                  + ("; GB read, peak GiB and GiB-s: summed over the TP ranks" if p.get("tp_size", 1) > 1 else ""))
     return "\n".join(lines)
+
+
+def _tier_lines(doc: dict[str, Any]) -> list[str]:
+    """Per setting (reverse reads), each tier's reads, peak, GiB-s and cost: the hot tier is the decode's HBM."""
+    tiers = doc["options"].get("tiers") or []
+    if not tiers:
+        return []
+    names = ["hot", *(t["name"] for t in tiers)]
+    lines = ["", "retention tiers (reverse_read): " + "; ".join(
+        f"{t['name']} {t['ttl_s']:g} s after hot, {t['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s per rank + "
+        f"{t['overhead_s'] * 1e3:.1f} ms, ${t['price_per_gib_hour']:g}/GiB-h" for t in tiers),
+             f"{'hot TTL':>8}{'thr':>7}{'hit':>7}" + "".join(f"{n + ' reads':>12}{n + ' peak':>11}{n + ' GiB-s':>12}"
+                                                            f"{n + ' $':>9}" for n in names)]
+    for s in doc["settings"]:
+        rr = s["reverse_read"]
+        cells = [f"{s['ttl_s']:>8g}{s['threshold']!s:>7}{rr['hit_rate'] * 100:>6.0f}%"]
+        hot_reads = rr["reasons"].get("fetch", 0) - sum(t["reads"] for t in rr["tiers"].values())
+        cells.append(f"{hot_reads:>12}{rr['retained_peak_gib']:>11.1f}{rr['retained_gib_s']:>12.0f}"
+                     f"{rr['hot_cost']:>9.2f}")
+        for name in names[1:]:
+            t = rr["tiers"][name]
+            cells.append(f"{t['reads']:>12}{t['retained_peak_gib']:>11.1f}{t['retained_gib_s']:>12.0f}{t['cost']:>9.2f}")
+        lines.append("".join(cells))
+    return lines
 
 
 def _tp(doc: dict[str, Any]) -> str:

@@ -71,6 +71,7 @@ from ..policy import KVHandle, PolicyConfig, PromptDigests, block_digests, decid
 from ..retention.terms import DEFAULT_TTL_S
 from .errors import PlannerError
 from .profile import GIB, CostProfile
+from .tiers import HOT_PRICE_PER_GIB_HOUR, Tier, check_tiers, split_hold, tier_at
 from .trace import Trace
 
 Mode = Literal["cache_miss", "local_cache", "reverse_read", "reverse_read+local_cache"]
@@ -239,6 +240,10 @@ class ModeRun:
     bytes_moved: list[float] = field(default_factory=list)  # over all TP ranks
     reasons: Counter[str] = field(default_factory=Counter)
     retained: list[tuple[float, float, float]] = field(default_factory=list)  # (start, stop, bytes on all ranks)
+    tiers: tuple[Tier, ...] = ()  # the lower tiers after the hot one (planner/tiers.py)
+    # per lower tier: its retention intervals, and the turns that read from it
+    tier_retained: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    tier_reads: Counter[str] = field(default_factory=Counter)
     turn_keys: list[tuple[int, int]] = field(default_factory=list)  # (conversation, turn) per record
 
 
@@ -265,8 +270,12 @@ def _handle(turn: _Prepared, block_size: int, end: float, ttl_s: float, conv: in
 def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s: float = DEFAULT_TTL_S,
              threshold: Threshold = 64, expiry_margin_s: float = 5.0, prefill_workers: int = 1,
              queue: bool = False, seed: int = 0, layered: bool = False,
-             placement: Placement = NO_PLACEMENT, one_at_a_time: bool = False) -> ModeRun:
-    """Replay ``prepared`` in one mode and setting (see the module docstring)."""
+             placement: Placement = NO_PLACEMENT, one_at_a_time: bool = False,
+             tiers: Sequence[Tier] = ()) -> ModeRun:
+    """Replay ``prepared`` in one mode and setting (see the module docstring). ``tiers``: lower retention tiers a
+    retention moves down to when its hot TTL (``ttl_s``) ends, each read back at its own speed (planner/tiers.py)."""
+    tiers = check_tiers(tiers)
+    life_s = ttl_s + sum(t.ttl_s for t in tiers)  # a retention's whole life over every tier
     if mode not in MODES:
         raise PlannerError(f"mode must be one of {MODES}, got {mode!r}")
     if placement.prewarm and not (placement.affinity and mode.endswith("local_cache")):
@@ -286,7 +295,7 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
     route = np.random.default_rng(seed)
     free_at = [0.0] * prefill_workers
     ends: dict[int, float] = {}
-    run = ModeRun(mode, ttl_s, threshold)
+    run = ModeRun(mode, ttl_s, threshold, tiers=tiers, tier_retained={t.name: [] for t in tiers})
     serial = _serial_order(prepared) if one_at_a_time else []
     events = [] if one_at_a_time else [(turns[0].gap_s, conv, 0) for conv, turns in enumerate(prepared.turns) if turns]
     heapq.heapify(events)
@@ -302,13 +311,14 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         turn = turns[k]
         worker = placement.worker(conv, len(run.ttft), prefill_workers, route) if prefill_workers > 1 else 0
         on_decode = reverse and k > 0 and _decode_local(turns, k, placement, ends[conv] + ttl_s > arrival)
+        tier = tier_at(arrival - ends[conv], ttl_s, tiers) if k else 0
         local_tokens = caches[worker].hit(prepared, conv, k) if local and k and not on_decode else 0
         fetched, blocks, reason = 0, 0, "first_turn" if k == 0 else "off"
         pipelined = False
         if on_decode:  # the decode reuses what it retained and computes the rest: no prefill, no read
             local_tokens, reason = _decode_reuse(turns, k, bs), "decode_local"
         elif reverse and k:
-            handle = _handle(turns[k - 1], bs, ends[conv], ttl_s, conv, k - 1)
+            handle = _handle(turns[k - 1], bs, ends[conv], life_s, conv, k - 1)
             if handle is None:
                 reason = "no_handle"
             else:
@@ -316,7 +326,7 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
                            config=config)
                 reason, local_tokens = d.reason.value, d.local_tokens
                 if d.fetch:  # layered: whole blocks, or (less than one) the asynchronous read, as the connector
-                    whole = d.whole_blocks() if layered else None
+                    whole = d.whole_blocks() if layered and tier == 0 else None  # lower tiers: asynchronous
                     pipelined = whole is not None
                     chosen = whole or d
                     fetched, blocks = chosen.fetch_tokens, len(chosen.fetch_blocks)
@@ -324,8 +334,11 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
         if pipelined:
             service = profile.prefill_fixed_s + profile.layered_s(blocks, compute, local_tokens + fetched)
         else:
-            service = (profile.prefill_fixed_s + profile.transfer_s(blocks)
-                       + profile.compute_s(compute, local_tokens + fetched))
+            read_s = tiers[tier - 1].read_s(profile.rank_block_bytes(blocks)) if blocks and tier > 0 \
+                else profile.transfer_s(blocks)
+            service = profile.prefill_fixed_s + read_s + profile.compute_s(compute, local_tokens + fetched)
+        if blocks and tier > 0:
+            run.tier_reads[tiers[tier - 1].name] += 1
         start = max(arrival, free_at[worker]) if queue and not on_decode else arrival
         if not on_decode:
             free_at[worker] = start + service
@@ -340,8 +353,11 @@ def simulate(prepared: PreparedTrace, profile: CostProfile, *, mode: Mode, ttl_s
                                                                                    turn.prompt_tokens):
             caches[worker].store(conv, k, turn.handle_tokens + 1, with_answer=True)  # warmed in the gap
         if reverse and turn.handle_tokens > 0:
-            hold = min(ttl_s, turns[k + 1].gap_s) if k + 1 < len(turns) else ttl_s
-            run.retained.append((end, end + hold, profile.block_bytes(-(-turn.handle_tokens // bs))))
+            hold = min(life_s, turns[k + 1].gap_s) if k + 1 < len(turns) else life_s
+            nbytes = profile.block_bytes(-(-turn.handle_tokens // bs))
+            for where, start_s, stop_s in split_hold(end, hold, ttl_s, tiers):
+                held = run.retained if where == 0 else run.tier_retained[tiers[where - 1].name]
+                held.append((start_s, stop_s, nbytes))
         if k + 1 < len(turns) and not one_at_a_time:
             heapq.heappush(events, (end + turns[k + 1].gap_s, conv, k + 1))
         run.prompt.append(turn.prompt_tokens)
@@ -405,6 +421,11 @@ def summarize(run: ModeRun) -> dict[str, Any]:
     n_later = int(later.sum())
     peak, gib_s = retained_stats(run.retained)
     turn = np.asarray(run.ttft) + np.asarray(run.decode)
+    tiers = {}
+    for tier in run.tiers:
+        tier_peak, tier_gib_s = retained_stats(run.tier_retained[tier.name])
+        tiers[tier.name] = {"reads": run.tier_reads[tier.name], "retained_peak_gib": tier_peak,
+                            "retained_gib_s": tier_gib_s, "cost": tier_gib_s / 3600 * tier.price_per_gib_hour}
     return {
         "mode": run.mode, "turns": len(run.ttft), "ttft_s": _stats(run.ttft), "turn_s": _stats(turn.tolist()),
         "later_ttft_s": _stats(np.asarray(run.ttft)[later].tolist()),
@@ -413,4 +434,5 @@ def summarize(run: ModeRun) -> dict[str, Any]:
         "tokens_recomputed": int(np.sum(run.recomputed)), "tokens_fetched": int(fetched.sum()),
         "tokens_local": int(local.sum()), "bytes_moved": float(np.sum(run.bytes_moved)),
         "retained_peak_gib": peak, "retained_gib_s": gib_s, "reasons": dict(sorted(run.reasons.items())),
+        "hot_cost": gib_s / 3600 * HOT_PRICE_PER_GIB_HOUR, "tiers": tiers,
     }
