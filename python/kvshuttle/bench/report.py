@@ -289,9 +289,32 @@ def router(results: Results) -> Table:
     return table
 
 
+def index(results: Results) -> Table:
+    """The content index's lookup against the same run's Redis floor: MGET of as many keys / lookup (< 1: the lookup
+    costs more than the bare round trip), p50 and p99, per stride and case."""
+    table = Table("index", "Content index lookups", ("stride", "retentions", "case", "keys asked",
+                                                     "lookup p50 / p99 ms", "MGET / lookup (p50)",
+                                                     "MGET / lookup (p99)"))
+    for name in ("vm5_index.json", "vm5_index_strides.json"):
+        for i, row in enumerate(results.rows(name)):
+            where = f"{name}: results[{i}]"
+            if get(row, "case", where) == "publish":
+                continue
+            seconds = get(row, "seconds", where)
+            p50, p99 = (number(seconds, f"lookup_{q}", where) * 1e3 for q in ("p50", "p99"))
+            mget = ratio(row, "lookup_vs_mget", where)
+            tail = Ratio(number(row, "p99_mget_over_lookup", where))
+            cells = (f"{int(number(row, 'stride', where))}", f"{int(number(row, 'retentions', where)):,}",
+                     str(row["case"]), f"{int(number(row, 'keys_asked', where))}", f"{p50:.2f} / {p99:.2f}",
+                     str(mget), str(tail))
+            table.rows.append(Row(f"s{int(number(row, 'stride', where))} {row['case']}", cells,
+                                  {"MGET / lookup": mget}, name))
+    return table
+
+
 TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
-    "e2e": e2e, "placement": placement, "router": router,
+    "e2e": e2e, "placement": placement, "router": router, "index": index,
 }
 # A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".
 BLOCK = re.compile(r"<!-- report:(?P<name>[a-z0-9_]+) -->\n(?P<body>(?:(?!<!-- /?report).)*?)\n?<!-- /report -->", re.S)
