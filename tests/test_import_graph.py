@@ -19,10 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "python"
 PACKAGE = "kvshuttle"
 
 # Known debts, each owned elsewhere: shrink these lists once paid, never grow them.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    # load_profile (profile.py) names the published profiles, which published.py fits with profile and simulate
-    frozenset({"kvshuttle.planner.profile", "kvshuttle.planner.published", "kvshuttle.planner.simulate"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 KNOWN_PRIVATE: set[tuple[str, str]] = {  # (user, module whose private names it takes)
     # retention/: the ledger's records (split off for length), used by the ledger and its block table
     ("kvshuttle.retention.ledger", "kvshuttle.retention.records"),

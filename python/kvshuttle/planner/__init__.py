@@ -12,7 +12,8 @@ progress bars and plots.
 from __future__ import annotations
 
 from .errors import PlannerError, ProfileError, TraceError
-from .profile import PROFILE_NAMES, QWEN3_32B, CostProfile, ModelShape, fit_prefill, load_profile
+from .profile import QWEN3_32B, CostProfile, ModelShape, fit_prefill
+from .profiles import PROFILE_NAMES, load_profile
 from .simulate import MODES, Placement, PreparedTrace, policy_config, retained_stats, simulate, summarize
 from .trace import (
     Conversation,

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..retention.terms import DEFAULT_TTL_S
 from .errors import PlannerError
-from .profile import PROFILE_NAMES, load_profile
+from .profiles import PROFILE_NAMES, load_profile
 from .simulate import Threshold
 from .tiers import Tier
 from .trace import SyntheticSpec, example_trace_path, load_trace, synthetic_trace, write_trace

@@ -34,18 +34,16 @@ Prefill and decode times are the whole engine's (all its ranks together) as meas
 them. A profile measured or fitted at one TP size describes that TP size; changing ``tp_size`` alone re-shards
 the reads (and the bytes held) under the same per-rank link and the same compute.
 
-Profiles come from a name (:data:`PROFILE_NAMES`: ``measured``, fitted on this machine's end-to-end runs, see
-:mod:`.validate`; ``h200-efa-qwen3-32b`` and ``h200-efa-glm5-fp8``, from the published numbers, see
+Profiles come from a name (:func:`.profiles.load_profile`: ``measured``, fitted on this machine's end-to-end runs,
+see :mod:`.validate`; ``h200-efa-qwen3-32b`` and ``h200-efa-glm5-fp8``, from the published numbers, see
 :mod:`.published`) or a JSON file with the fields of :class:`CostProfile`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +52,6 @@ import numpy as np
 from .errors import ProfileError
 
 GIB = float(1 << 30)
-PROFILE_NAMES = ("measured", "h200-efa-qwen3-32b", "h200-efa-glm5-fp8")
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """The parts of a model config that set KV size and attention cost.
@@ -289,24 +284,3 @@ def fit_prefill(samples: Sequence[tuple[float, float, float]], attention_ratio: 
     if not b > 0:
         raise ProfileError("the samples do not grow with the tokens computed: no positive prefill throughput fits")
     return max(float(a), 0.0), 1.0 / float(b), float(attention_ratio)
-
-
-def load_profile(spec: str | CostProfile) -> CostProfile:
-    """A named profile (:data:`PROFILE_NAMES`) or a JSON file's."""
-    if isinstance(spec, CostProfile):
-        return spec
-    if spec == "measured":
-        text = resources.files("kvshuttle.planner").joinpath("data", "measured.json").read_text("utf-8")
-        return CostProfile.from_dict(json.loads(text), source="measured")
-    if spec in PROFILE_NAMES[1:]:
-        from .published import h200_profile
-
-        return h200_profile(spec)
-    path = Path(spec)
-    if not path.is_file():
-        raise ProfileError(f"no profile {spec!r}: use one of {', '.join(PROFILE_NAMES)} or a JSON file")
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProfileError(f"{path}: not a readable JSON profile: {exc}") from None
-    return CostProfile.from_dict(data, source=str(path))
