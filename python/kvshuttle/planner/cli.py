@@ -5,8 +5,8 @@
     kvshuttle plan --synthetic conversations=50,human_fraction=0.5,human_gap_s=600 --json
     kvshuttle plan --tp-size 4 --json                # the profile's KV split over 4 TP ranks
     kvshuttle plan --cases                           # no reusable context, pauses past the TTL, edited history
-    kvshuttle plan --validate                        # predictions vs benchmarks/results/vm2_e2e.json, per row
-    kvshuttle plan --validate-placement              # ... vs benchmarks/results/vm2_placement.json, per config
+    kvshuttle plan --validate                        # predictions vs the shipped vm2_e2e.json run, per row
+    kvshuttle plan --validate-placement              # ... vs the shipped vm2_placement.json, per config
     kvshuttle plan --reproduce                       # the published Qwen3-32B H200 curve, on and off
 """
 
@@ -68,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--validate", metavar="E2E_JSON", nargs="?", const="",
-                      help="predictions vs a 'kvshuttle bench e2e --json' output (default: "
-                           "benchmarks/results/vm2_e2e.json), per row")
+                      help="predictions vs a 'kvshuttle bench e2e --json' output (default: the "
+                           "vm2_e2e.json run shipped with the planner), per row")
     what.add_argument("--validate-placement", metavar="PLACEMENT_JSON", nargs="?", const="",
-                      help="predictions vs a 'kvshuttle bench placement --json' output (default: "
-                           "benchmarks/results/vm2_placement.json), per configuration")
+                      help="predictions vs a 'kvshuttle bench placement --json' output (default: the "
+                           "vm2_placement.json run shipped with the planner), per configuration")
     what.add_argument("--reproduce", action="store_true",
                       help="planner TTFT on/off vs prompt length next to the published H200 points")
     what.add_argument("--cases", action="store_true", help="no reusable context, pauses past the TTL, edited history")
