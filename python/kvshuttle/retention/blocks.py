@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .records import _Block, _extends, _Retained
+from .records import BlockRecord, RetainedRecord, extends_chain
 
 
 class BlockTable:
     __slots__ = ("_gen", "_records", "epoch")
 
     def __init__(self) -> None:
-        self._records: dict[int, _Block] = {}
+        self._records: dict[int, BlockRecord] = {}
         self._gen: dict[int, int] = {}  # block -> epoch of its last return to the allocator (0: never)
         self.epoch = 0
 
@@ -32,28 +32,28 @@ class BlockTable:
     def generation(self, block: int) -> int:
         return self._gen.get(block, 0)
 
-    def attach(self, handle: _Retained) -> tuple[list[_Retained], int]:
+    def attach(self, handle: RetainedRecord) -> tuple[list[RetainedRecord], int]:
         """Make ``handle`` a holder of each of its blocks. A recorded block it does not extend was reused behind
         the ledger's back: taken back first. Returns the holders that took back made stale (the caller ends them)
         and how many blocks were superseded."""
-        stale: list[_Retained] = []
+        stale: list[RetainedRecord] = []
         superseded = 0
         for k, b in enumerate(handle.block_ids):
             digest, valid = handle.digests[k], handle.valid(k)
             record = self._records.get(b)
-            if record is not None and not _extends(record, k, digest, valid):
+            if record is not None and not extends_chain(record, k, digest, valid):
                 superseded += 1
                 stale += self.take_back(b)
                 record = None
             if record is None:
-                self._records[b] = _Block(k, digest, valid, handle)
+                self._records[b] = BlockRecord(k, digest, valid, handle)
             else:
                 record.holders.append(handle)
                 if valid > record.valid:
                     record.valid, record.digest = valid, digest
         return stale, superseded
 
-    def release(self, handle: _Retained) -> list[int]:
+    def release(self, handle: RetainedRecord) -> list[int]:
         """``handle`` lets go of its blocks; returns those it held last (now back with the allocator)."""
         freed = []
         for b in handle.block_ids:
@@ -61,7 +61,7 @@ class BlockTable:
             if record is None:
                 continue  # taken back by the owner already
             try:
-                record.holders.remove(handle)  # identity: _Retained has no __eq__
+                record.holders.remove(handle)  # identity: RetainedRecord has no __eq__
             except ValueError:
                 continue  # the block was taken back and retained anew by someone else
             if not record.holders:
@@ -70,7 +70,7 @@ class BlockTable:
                 freed.append(b)
         return freed
 
-    def take_back(self, block: int) -> list[_Retained]:
+    def take_back(self, block: int) -> list[RetainedRecord]:
         """The owner has ``block`` back (or reused it): forget it, returning its holders, now stale."""
         self._bump(block)
         record = self._records.pop(block, None)
@@ -80,7 +80,7 @@ class BlockTable:
             holder.reused.add(block)
         return record.holders
 
-    def detach(self, handle: _Retained) -> list[int]:
+    def detach(self, handle: RetainedRecord) -> list[int]:
         """Undo a refused retain's attach; returns the blocks no one else holds (the caller's to free)."""
         frees = []
         for b in handle.block_ids:
@@ -92,7 +92,7 @@ class BlockTable:
                 frees.append(b)
         return frees
 
-    def pinned(self, reading: Iterable[_Retained]) -> set[int]:
+    def pinned(self, reading: Iterable[RetainedRecord]) -> set[int]:
         """Recorded blocks that a handle of ``reading`` (reads in flight) still holds."""
         pinned: set[int] = set()
         for handle in reading:

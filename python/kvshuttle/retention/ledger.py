@@ -68,7 +68,7 @@ from .errors import (
     StaleHandleError,
     TamperedHandleError,
 )
-from .records import Claim, _equal, _OpenClaim, _remember, _Retained
+from .records import Claim, OpenClaim, RetainedRecord, remember_end, same_as_issued
 from .terms import READ_MODES, ReadMode, RetentionTerms
 
 Mode = ReadMode  # the ledger's older names for the read mode
@@ -133,18 +133,18 @@ class RetentionLedger:
         self._tombstone_cap = check_count("tombstones", tombstones)
 
         self._lock = threading.Lock()
-        self._handles: dict[str, _Retained] = {}  # live handles
+        self._handles: dict[str, RetainedRecord] = {}  # live handles
         self._evictable = self.terms.eviction_policy()  # live handles without reads in flight, in eviction order
         self._blocks = BlockTable()
         # Handles with reads in flight: their blocks are pinned. Kept per handle, not per block, so a claim costs
         # O(1) whatever the handle's size; the pinned block set is derived when the budget or metrics need it.
-        self._reading: set[_Retained] = set()
+        self._reading: set[RetainedRecord] = set()
         self._draining = 0  # ended handles whose blocks wait for reads in flight
         self._conversations: dict[str, set[str]] = {}
-        self._expiry: DeadlineHeap[_Retained] = DeadlineHeap(lambda h: h.ended is None)
-        self._claims: dict[str, _OpenClaim] = {}
+        self._expiry: DeadlineHeap[RetainedRecord] = DeadlineHeap(lambda h: h.ended is None)
+        self._claims: dict[str, OpenClaim] = {}
         self._open_by_reader: Counter[str] = Counter()  # open claims per reader (a connection on the side channel)
-        self._claim_deadlines: DeadlineHeap[_OpenClaim] = DeadlineHeap(lambda c: c.open)
+        self._claim_deadlines: DeadlineHeap[OpenClaim] = DeadlineHeap(lambda c: c.open)
         self._ended_handles: OrderedDict[str, str] = OrderedDict()  # recent handle id -> end reason
         self._ended_claims: OrderedDict[str, str] = OrderedDict()
         self._pending: list[int] = []  # blocks freed by the current operation, for on_free after the lock
@@ -325,8 +325,8 @@ class RetentionLedger:
         now = self._clock()
         if handle_id is not None and (handle_id in self._handles or handle_id in self._ended_handles):
             raise RetentionArgumentError(f"handle id {handle_id[:12]}... was issued before; issue a fresh one")
-        handle = _Retained(handle_id or secrets.token_urlsafe(18), request_id, conversation_id, ids, digs, num_tokens,
-                           block_size, tp_size, now + ttl)
+        handle = RetainedRecord(handle_id or secrets.token_urlsafe(18), request_id, conversation_id, ids, digs,
+                                num_tokens, block_size, tp_size, now + ttl)
         handle.once = once
         new = sum(1 for b in ids if b not in self._blocks)
         # attach first, so that no block of this request can be freed under us
@@ -368,11 +368,12 @@ class RetentionLedger:
         if generation != handle.generation:
             self._tampered(handle_id, f"generation {shown(generation)} presented, {handle.generation} issued")
         if ids is not None:
-            if not ids or not _equal(ids, handle.block_ids[: len(ids)]):
+            if not ids or not same_as_issued(ids, handle.block_ids[: len(ids)]):
                 self._tampered(handle_id, "block ids are not the issued ones or a prefix of them")
             count = len(ids)
         if digs is not None:
-            if not digs or not _equal(digs, handle.digests[: len(digs)]) or (ids is not None and len(digs) != count):
+            issued = handle.digests[: len(digs)]
+            if not digs or not same_as_issued(digs, issued) or (ids is not None and len(digs) != count):
                 self._tampered(handle_id, "digests are not the issued ones")
             count = len(digs)
         problem = handle.slot_problem(readers) if handle.once else None
@@ -393,7 +394,7 @@ class RetentionLedger:
         handle.claims += 1
         claim = Claim(secrets.token_urlsafe(18), handle_id, handle.generation, handle.block_ids[:count],
                       min(handle.num_tokens, count * handle.block_size), now + self._claim_timeout, reader)
-        record = _OpenClaim(claim, handle)
+        record = OpenClaim(claim, handle)
         self._claims[claim.claim_id] = record
         self._claim_deadlines.push(claim.deadline, record)
         self._counts["claims"] += 1
@@ -461,7 +462,7 @@ class RetentionLedger:
                 expired += 1
         return expired
 
-    def _live(self, handle_id: str, now: float, *, count: bool) -> _Retained:
+    def _live(self, handle_id: str, now: float, *, count: bool) -> RetainedRecord:
         handle = self._handles.get(handle_id)
         if handle is None:
             reason = self._ended_handles.get(handle_id, "unknown")
@@ -481,14 +482,14 @@ class RetentionLedger:
         self._refusals["tampered"] += 1
         raise TamperedHandleError(handle_id, detail)
 
-    def _end(self, handle: _Retained, reason: str, *, in_heap: bool = True) -> None:
+    def _end(self, handle: RetainedRecord, reason: str, *, in_heap: bool = True) -> None:
         """The handle can no longer be claimed; its blocks go now, or when its last read in flight ends."""
         handle.ended = reason  # before discard(): a compaction asks whether it is alive
         del self._handles[handle.handle_id]
         self._evictable.remove(handle.handle_id)
         if in_heap:
             self._expiry.discard()
-        _remember(self._ended_handles, handle.handle_id, reason, self._tombstone_cap)
+        remember_end(self._ended_handles, handle.handle_id, reason, self._tombstone_cap)
         if handle.conversation_id is not None:
             ids = self._conversations.get(handle.conversation_id)
             if ids is not None:
@@ -501,21 +502,21 @@ class RetentionLedger:
         else:
             self._drop_holds(handle)
 
-    def _drop_holds(self, handle: _Retained) -> None:
+    def _drop_holds(self, handle: RetainedRecord) -> None:
         self._released.append(handle.request_id)
         freed = self._blocks.release(handle)
         self._pending += freed
         self._counts["freed_blocks"] += len(freed)
 
-    def _pop_claim(self, claim_id: str) -> _OpenClaim | None:
+    def _pop_claim(self, claim_id: str) -> OpenClaim | None:
         record = self._claims.pop(claim_id, None)
         if record is not None:
             record.open = False
             self._claim_deadlines.discard()
         return record
 
-    def _close_claim(self, record: _OpenClaim, why: str) -> None:
-        _remember(self._ended_claims, record.claim.claim_id, why, self._tombstone_cap)
+    def _close_claim(self, record: OpenClaim, why: str) -> None:
+        remember_end(self._ended_claims, record.claim.claim_id, why, self._tombstone_cap)
         reader = record.claim.reader
         self._open_by_reader[reader] -= 1
         if self._open_by_reader[reader] <= 0:
@@ -531,7 +532,7 @@ class RetentionLedger:
             self._draining -= 1
             self._drop_holds(handle)
 
-    def _wire(self, handle: _Retained, now: float, ttl_left: float | None = None) -> KVHandle:
+    def _wire(self, handle: RetainedRecord, now: float, ttl_left: float | None = None) -> KVHandle:
         if ttl_left is None:
             ttl_left = max(0.0, handle.expiry - now)
         issued_at = self._wall_clock()

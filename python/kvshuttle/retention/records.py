@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-class _Retained:
+class RetainedRecord:
     __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "done", "ended", "expiry",
                  "generation", "handle_id", "num_tokens", "once", "readers", "request_id", "reused", "tp_size")
 
@@ -42,12 +42,12 @@ class _Retained:
         return min(self.block_size, self.num_tokens - index * self.block_size)
 
 
-class _Block:
+class BlockRecord:
     """A retained block: its live holders and what the most complete of them says it holds."""
 
     __slots__ = ("digest", "holders", "index", "valid")
 
-    def __init__(self, index: int, digest: bytes, valid: int, holder: _Retained) -> None:
+    def __init__(self, index: int, digest: bytes, valid: int, holder: RetainedRecord) -> None:
         self.index, self.digest, self.valid = index, digest, valid
         self.holders = [holder]  # few (turns of one conversation): a list beats a set in memory
 
@@ -65,14 +65,14 @@ class Claim:
     reader: str
 
 
-class _OpenClaim:
+class OpenClaim:
     __slots__ = ("claim", "handle", "open")
 
-    def __init__(self, claim: Claim, handle: _Retained) -> None:
+    def __init__(self, claim: Claim, handle: RetainedRecord) -> None:
         self.claim, self.handle, self.open = claim, handle, True
 
 
-def _equal(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:
+def same_as_issued(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:
     """Element-wise equality that never raises: an element with no truth value (an array) is simply not equal."""
     try:
         return presented == issued
@@ -80,12 +80,12 @@ def _equal(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:
         return False
 
 
-def _extends(record: _Block, index: int, digest: bytes, valid: int) -> bool:
+def extends_chain(record: BlockRecord, index: int, digest: bytes, valid: int) -> bool:
     """Whether a new holder's view of a retained block is compatible with the record (see module docstring)."""
     return record.index == index and (valid > record.valid or (valid == record.valid and digest == record.digest))
 
 
-def _remember(tombstones: OrderedDict[str, str], key: str, reason: str, cap: int) -> None:
+def remember_end(tombstones: OrderedDict[str, str], key: str, reason: str, cap: int) -> None:
     tombstones[key] = reason
     while len(tombstones) > cap:
         tombstones.popitem(last=False)
