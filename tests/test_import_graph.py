@@ -21,8 +21,6 @@ PACKAGE = "kvshuttle"
 # Known debts, each owned elsewhere: shrink these lists once paid, never grow them.
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 KNOWN_PRIVATE: set[tuple[str, str]] = {  # (user, module whose private names it takes)
-    # the retokenize bench writes the tiny model's tokenizer with the e2e helper's private function
-    ("kvshuttle.bench.retokenize_tokenizers", "kvshuttle.bench.e2e.tiny_model"),
 }
 # Importers of the extension besides core/native.py: the pack bench and the schema read and tune the native
 # pool; executors.py annotates with _native.CopyTicket (core.native re-exports it).

@@ -129,7 +129,7 @@ def _tiny(cache: Path) -> Served:
     out = cache / "tiny"
     if not (out / "tokenizer.json").exists():
         out.mkdir(parents=True, exist_ok=True)
-        tiny_model._write_tokenizer(out, tiny_model.TinyLlamaSpec())
+        tiny_model.write_tokenizer(out, tiny_model.TinyLlamaSpec())
     served = _directory(out)
     return Served("tiny", served.tokenizer, served.template, served.eos, served.bos)
 

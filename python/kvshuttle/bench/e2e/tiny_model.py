@@ -126,7 +126,7 @@ def _build(out: Path, spec: TinyLlamaSpec | TinyDeepseekSpec) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_tokenizer(tmp, spec)
+    write_tokenizer(tmp, spec)
     if isinstance(spec, TinyDeepseekSpec):
         _write_deepseek(tmp, spec)
     else:
@@ -167,7 +167,7 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
             for _ in range(lines)]
 
 
-def _write_tokenizer(out: Path, spec: TinyLlamaSpec | TinyDeepseekSpec) -> None:
+def write_tokenizer(out: Path, spec: TinyLlamaSpec | TinyDeepseekSpec) -> None:
     import tokenizers as tk  # type: ignore[import-not-found, unused-ignore]
 
     tok = tk.Tokenizer(tk.models.BPE(unk_token="<unk>"))
