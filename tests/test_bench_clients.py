@@ -85,8 +85,9 @@ def _row(name: str, reused: int, ttft: float) -> dict[str, Any]:
 def test_summary_ratios_and_table() -> None:
     results = [_row("body", 9, 500.0), _row("none", 9, 550.0), _row("dropped", 6, 600.0), _row("recompute", 0, 1000.0)]
     clients.summarise(results)
-    assert [r["reused_vs_body"] for r in results] == [1.0, 1.0, 0.667, 0.0]
-    assert [r["ttft_vs_recompute"] for r in results] == [0.5, 0.55, 0.6, 1.0]
+    assert [r["reused_over_body"] for r in results] == [1.0, 1.0, 0.667, 0.0]
+    assert [r["ttft_over_recompute"] for r in results] == [0.5, 0.55, 0.6, 1.0]
+    assert results[0]["seconds"] == {"ttft_median": 0.5} and results[0]["rounds"] == 9  # the schema's fields
     table = clients.format_table({"results": results})
     assert table.splitlines()[2].split()[:4] == ["none", "12", "9", "9"]
     assert "3/3" in table
@@ -95,4 +96,4 @@ def test_summary_ratios_and_table() -> None:
 def test_summary_without_a_body_or_recompute_row() -> None:
     results = [_row("none", 3, 400.0)]
     clients.summarise(results)
-    assert results[0]["reused_vs_body"] is None and results[0]["ttft_vs_recompute"] is None
+    assert results[0]["reused_over_body"] is None and results[0]["ttft_over_recompute"] is None

@@ -117,15 +117,19 @@ def ttft_p50_ms(profile: dict[str, Any]) -> float | None:
 
 
 def summarise(results: list[dict[str, Any]]) -> None:
-    """Ratios to the body row's reused turns and to the recompute row's TTFT (in place)."""
+    """In place: reused turns over the body row's, later turns' TTFT over the recompute row's (``_over_``: a
+    ratio of one number each, not the schema's per-round ``_vs_`` speedups), and the schema's ``seconds``
+    (later turns' TTFT median) and ``rounds`` (later turns)."""
     body = next((r for r in results if r["row"] == "body"), None)
     recompute = next((r for r in results if r["row"] == "recompute"), None)
     for r in results:
         reused = body["reused_turns"] if body else 0
-        r["reused_vs_body"] = round(r["reused_turns"] / reused, 3) if reused else None
+        r["reused_over_body"] = round(r["reused_turns"] / reused, 3) if reused else None
         base = recompute["later_ttft_p50_ms"] if recompute else None
         mine = r["later_ttft_p50_ms"]
-        r["ttft_vs_recompute"] = round(mine / base, 3) if base and mine else None
+        r["ttft_over_recompute"] = round(mine / base, 3) if base and mine else None
+        r["seconds"] = {"ttft_median": round(mine / 1e3, 4)} if mine else {}
+        r["rounds"] = max(1, int(r["later_turns"]))
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -134,8 +138,8 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result["results"]:
         same = f"{r['answers_equal']}/{r['answers_checked']}"
         lines.append(f"{r['row']:<10} {r['turns']:>5} {r['later_turns']:>5} {r['reused_turns']:>6} "
-                     f"{r['read_tokens']:>11} {r['reused_vs_body']!s:>7} {r['ttft_p50_ms']!s:>11} "
-                     f"{r['later_ttft_p50_ms']!s:>9} {r['ttft_vs_recompute']!s:>12} {same:>19}")
+                     f"{r['read_tokens']:>11} {r['reused_over_body']!s:>7} {r['ttft_p50_ms']!s:>11} "
+                     f"{r['later_ttft_p50_ms']!s:>9} {r['ttft_over_recompute']!s:>12} {same:>19}")
     lines.append("(reused: later turns whose prefill read KV back; tokens: read back in all; vs body: reused turns "
                  "over the body row's; answers: each session's last turn against the prefill alone, greedy)")
     return "\n".join(lines)
