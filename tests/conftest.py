@@ -68,6 +68,11 @@ def _cuda_usable() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "shared_engines(*names): an e2e case's engines leased from the session's pool "
+                                       "(tests/e2e/engine_pool.py)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not any(item.get_closest_marker("cuda") for item in items):
         return

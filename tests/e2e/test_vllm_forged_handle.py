@@ -19,12 +19,11 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from test_vllm_nixl_baseline import engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from engine_pool import Lease, shared_engines  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -91,26 +90,26 @@ def forged_params(prompt: list[int], model: str, port: int, mac: str) -> dict[st
     return {**params, "do_remote_decode": True, "do_remote_prefill": False}
 
 
+@pytest.mark.shared_engines("prefill_cached")
 def test_a_forged_handle_recomputes_contacts_nobody_and_leaves_the_prefix_cache_clean(
-        model_dir: str, tmp_path: Path, fake_owner: CountingListener) -> None:  # noqa: F811
-    from kvshuttle.bench.e2e.engines import EngineSpec, VllmEngine, shuttle_transfer_config
+        shared_engines: Callable[..., list[Lease]], fake_owner: CountingListener) -> None:  # noqa: F811
     from kvshuttle.bench.e2e.tiny_model import random_prompt
 
-    engine = VllmEngine(EngineSpec(model=model_dir, name="prefill", kv_transfer_config=shuttle_transfer_config(),
-                                   enable_prefix_caching=True, warmup_tokens=64, startup_timeout_s=420.0,
-                                   log_path=str(tmp_path / "prefill.log")), start=False)
+    # The production prefill (prefix cache on, kvshuttle's defaults) from the pool, this case its only user (it starts
+    # there while the next cases' engines start too). Sharing it would be safe: this case's prompts (seeds 21, 22)
+    # are no other case's, its references are salted, and a handle without a valid MAC retains nothing.
+    (lease,) = shared_engines()
+    engine = lease.engine
+    model = engine.spec.model
     seen: dict[str, Any] = {}
-    with engines_closed(tmp_path, [engine]):
-        engine.start()
-        for mac, seed in (("missing", 21), ("wrong", 22)):
-            prompt = random_prompt(PROMPT, seed=seed)
-            forged = engine.generate(prompt, ANSWER, forged_params(prompt, model_dir, fake_owner.port, mac))
-            cached = engine.generate(prompt, ANSWER, None)  # the same prompt: now a prefix-cache hit
-            engine.reset_prefix_cache()
-            local = engine.generate(prompt, ANSWER, None)  # a true recompute
-            seen[mac] = (forged, cached, local)
-        time.sleep(1.0)  # a connection attempt in flight would land by now
-    log = (tmp_path / "prefill.log").read_text(errors="replace")
+    for mac, seed in (("missing", 21), ("wrong", 22)):
+        prompt = random_prompt(PROMPT, seed=seed)
+        forged = engine.generate(prompt, ANSWER, forged_params(prompt, model, fake_owner.port, mac))
+        cached = engine.generate(prompt, ANSWER, None)  # the same prompt: now a prefix-cache hit
+        local = engine.generate(prompt, ANSWER, None, cache_salt=f"forged-{mac}")  # a true recompute
+        seen[mac] = (forged, cached, local)
+    time.sleep(1.0)  # a connection attempt in flight would land by now
+    log = lease.log()
 
     assert fake_owner.accepted == 0, "the engine contacted the owner a forged handle named"
     assert log.count("unauthenticated_handle") >= 2, "the refusal is logged with its reason"

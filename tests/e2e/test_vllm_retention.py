@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_nixl_baseline import engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from engine_pool import SPECS, Lease, pd_role, shared_engines  # noqa: F401  (the fixture)
+from test_vllm_nixl_baseline import engines_closed
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -47,17 +49,25 @@ def wait_for_usage(decode: Any, usage: float, timeout_s: float) -> tuple[dict[st
         time.sleep(0.5)
 
 
+# The prefill is the shared one (prefix cache off, kvshuttle's defaults): here it reads from this case's decode only,
+# every prompt it retains is read by that decode (the killed one's last prompt by its replacement), and its
+# references are computed whole (no prefix cache). The decode, with its short TTL and small budget, killed at the end,
+# is this case's alone: in the pool only to start early.
+SPECS["decode_short_ttl"] = pd_role("decode", "decode_short_ttl", decode_config={
+    "decoder_kv_blocks_ttl": TTL_S, "kvshuttle_retention_budget_blocks": BUDGET_BLOCKS})
+
+
+@pytest.mark.shared_engines("prefill_no_cache", "decode_short_ttl")
 def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recompute(
-        model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+        tmp_path: Path, shared_engines: Callable[..., list[Lease]]) -> None:  # noqa: F811
     from kvshuttle.bench.e2e.conversation import decode_params_for, prefill_params_for
-    from kvshuttle.bench.e2e.engines import VllmEngine, pd_pair, shuttle_transfer_config, start_all
+    from kvshuttle.bench.e2e.engines import VllmEngine
     from kvshuttle.bench.e2e.tiny_model import random_prompt
     from kvshuttle.transfer import release_retention, renew_retention, take_published
 
-    decode_config = shuttle_transfer_config(decoder_kv_blocks_ttl=TTL_S,
-                                            kvshuttle_retention_budget_blocks=BUDGET_BLOCKS)
-    prefill, decode = pd_pair(model_dir, shuttle_transfer_config(), decode_config, tmp_path)
-    engines = [prefill, decode]
+    p_lease, d_lease = shared_engines()
+    prefill, decode = p_lease.engine, d_lease.engine
+    engines: list[Any] = []  # the replacement decode
     seen: dict[str, Any] = {}
 
     def turn(prompt: list[int], handle: dict[str, Any] | None, **extra: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -70,7 +80,6 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
         return random_prompt(n, vocab=4096, seed=seed)
 
     with engines_closed(tmp_path, engines):
-        start_all(prefill, decode)
         start = decode.kv_usage()
         seen["start"] = start
 
@@ -165,7 +174,7 @@ def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recomput
     assert e_pre["kv_transfer_params"]["kvshuttle_read_tokens"] == 0 and e_pre["num_cached_tokens"] == 0
     assert e_pre["ttft_s"] < 30
     assert e_new["token_ids"] == seen["local"]["e2"]
-    log = (tmp_path / "prefill.log").read_text()
+    log = p_lease.log()
     assert re.search(r"request \S+ recomputes, because claim_refused", log)  # C: evicted on the decode
     # E: decode gone. Its reader notices the connection closed (lost), the reconnect is refused (unreachable), or
     # the circuit breaker, opened by that very failure, refuses it at once (cooling_down): all without waiting

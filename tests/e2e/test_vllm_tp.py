@@ -27,11 +27,11 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from test_vllm_nixl_baseline import engines_closed, model_dir  # noqa: F401  (the fixture builds the tiny model)
+from engine_pool import SPECS, Lease, pd_role, shared_engines  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -78,15 +78,29 @@ def wait_for(engine: Any, usage: float, timeout_s: float) -> dict[str, Any]:
         time.sleep(0.5)
 
 
+def combination(prefill_tp: int, decode_tp: int, prefix_cache: bool, *marks: Any) -> Any:
+    """One parametrization, its engines in the pool (engine_pool.py), each this case's alone (it kills a decode
+    rank): they start while the case before runs."""
+    name = f"tp-P{prefill_tp}-D{decode_tp}"
+    # an engine's two ranks share one core here: a busy owner's heartbeats can be late, a killed one is seen at once
+    config = {"kvshuttle_peer_timeout_s": 5.0, **({"kv_recompute_threshold": 0} if prefix_cache else {})}
+    for role in ("prefill", "decode"):
+        SPECS[f"{name}-{role}"] = pd_role(role, name, config, config, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                          prefill_prefix_cache=prefix_cache)
+    case_id = f"P{prefill_tp}-D{decode_tp}" + ("-prefix-cache" if prefix_cache else "")
+    return pytest.param(prefill_tp, decode_tp, prefix_cache, id=case_id,
+                        marks=[pytest.mark.shared_engines(f"{name}-prefill", f"{name}-decode"), *marks])
+
+
 # P2-D1 is opt-in (KVSHUTTLE_E2E_TP_ALL=1) to keep CI near 30 minutes: P1-D2 crosses the same paths the other way
 # round (one reader rank on two owner ranks, two reader ranks on one owner rank).
-P2_D1 = pytest.param(2, 1, False, id="P2-D1", marks=pytest.mark.skipif(
+P2_D1 = combination(2, 1, False, pytest.mark.skipif(
     not os.environ.get("KVSHUTTLE_E2E_TP_ALL"), reason="P2-D1: set KVSHUTTLE_E2E_TP_ALL=1 (P1-D2 covers its paths)"))
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "prefix_cache"), [P2_D1, (1, 2, False), (2, 2, True)],
-                         ids=["P2-D1", "P1-D2", "P2-D2-prefix-cache"])
-def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill_tp: int,  # noqa: F811
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "prefix_cache"),
+                         [P2_D1, combination(1, 2, False), combination(2, 2, True)])
+def test_tensor_parallel_both_directions(shared_engines: Callable[..., list[Lease]], prefill_tp: int,  # noqa: F811
                                          decode_tp: int, prefix_cache: bool) -> None:
     from kvshuttle.bench.e2e.conversation import (
         ConversationPlan,
@@ -96,43 +110,37 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
         run_local_conversation,
         run_pd_conversation,
     )
-    from kvshuttle.bench.e2e.engines import pd_pair, shuttle_transfer_config, start_all
 
-    # an engine's two ranks share one core here: a busy owner's heartbeats can be late, a killed one is seen at once
-    config = shuttle_transfer_config(kvshuttle_peer_timeout_s=5.0, **({"kv_recompute_threshold": 0} if prefix_cache
-                                                                      else {}))
-    prefill, decode = pd_pair(model_dir, config, config, tmp_path, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                              prefill_prefix_cache=prefix_cache)
+    p_lease, d_lease = shared_engines()
+    prefill, decode = p_lease.engine, d_lease.engine
     plan = ConversationPlan(turns=3, first_tokens=256, next_tokens=64, answer_tokens=8)
     seen: dict[str, Any] = {}
-    with engines_closed(tmp_path, [prefill, decode]):
-        start_all(prefill, decode)
-        seen["start"] = (prefill.kv_usage(), decode.kv_usage())
-        turns = run_pd_conversation(prefill, decode, plan)
-        run_local_conversation(prefill, turns, cache_salt="reference")  # salted: computes what reads wrote
-        # An edited history: one token of turn 1 changed (block 3 of 32-token blocks)
-        edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
-        edited[100] = edited_token(edited[100], plan.vocab)
-        edited_pre = prefill.generate(edited, 1, prefill_params_for(turns[-1].decode["kv_transfer_params"]))
-        edited_dec = decode.generate(edited, plan.answer_tokens, decode_params_for(edited_pre["kv_transfer_params"]))
-        seen["edited_local"] = prefill.generate(edited, plan.answer_tokens, None, cache_salt="edited")["token_ids"]
-        # Retention freed on every rank: release every decode handle through rank 0's side channel alone
-        handles = [t.decode["kv_transfer_params"] for t in turns] + [edited_dec["kv_transfer_params"]]
-        seen["held"] = decode.kv_usage()
-        seen["released"] = [rank0_release(h) for h in handles]
-        seen["after_release"] = (wait_for(prefill, seen["start"][0]["kv_cache_usage_perc"], 30),
-                                 wait_for(decode, seen["start"][1]["kv_cache_usage_perc"], 30))
-        # A fresh turn, then a decode rank killed before the next one
-        fresh = plan.user_tokens(11) + plan.user_tokens(12)
-        fresh_pre = prefill.generate(fresh, 1, prefill_params_for(None))
-        fresh_dec = decode.generate(fresh, plan.answer_tokens, decode_params_for(fresh_pre["kv_transfer_params"]))
-        os.kill(worker_pid(decode, decode_tp - 1, decode_tp), signal.SIGKILL)
-        after = fresh + fresh_dec["token_ids"] + plan.user_tokens(13)
-        t0 = time.perf_counter()
-        # the request completes on the prefill (the decode is gone): it recomputes what it could not read
-        killed = prefill.generate(after, plan.answer_tokens, prefill_params_for(fresh_dec["kv_transfer_params"]))
-        seen["killed_s"] = time.perf_counter() - t0
-        seen["killed_local"] = prefill.generate(after, plan.answer_tokens, None, cache_salt="killed")["token_ids"]
+    seen["start"] = (prefill.kv_usage(), decode.kv_usage())
+    turns = run_pd_conversation(prefill, decode, plan)
+    run_local_conversation(prefill, turns, cache_salt="reference")  # salted: computes what reads wrote
+    # An edited history: one token of turn 1 changed (block 3 of 32-token blocks)
+    edited = turns[-1].prompt + turns[-1].answer + plan.user_tokens(9)
+    edited[100] = edited_token(edited[100], plan.vocab)
+    edited_pre = prefill.generate(edited, 1, prefill_params_for(turns[-1].decode["kv_transfer_params"]))
+    edited_dec = decode.generate(edited, plan.answer_tokens, decode_params_for(edited_pre["kv_transfer_params"]))
+    seen["edited_local"] = prefill.generate(edited, plan.answer_tokens, None, cache_salt="edited")["token_ids"]
+    # Retention freed on every rank: release every decode handle through rank 0's side channel alone
+    handles = [t.decode["kv_transfer_params"] for t in turns] + [edited_dec["kv_transfer_params"]]
+    seen["held"] = decode.kv_usage()
+    seen["released"] = [rank0_release(h) for h in handles]
+    seen["after_release"] = (wait_for(prefill, seen["start"][0]["kv_cache_usage_perc"], 30),
+                             wait_for(decode, seen["start"][1]["kv_cache_usage_perc"], 30))
+    # A fresh turn, then a decode rank killed before the next one
+    fresh = plan.user_tokens(11) + plan.user_tokens(12)
+    fresh_pre = prefill.generate(fresh, 1, prefill_params_for(None))
+    fresh_dec = decode.generate(fresh, plan.answer_tokens, decode_params_for(fresh_pre["kv_transfer_params"]))
+    os.kill(worker_pid(decode, decode_tp - 1, decode_tp), signal.SIGKILL)
+    after = fresh + fresh_dec["token_ids"] + plan.user_tokens(13)
+    t0 = time.perf_counter()
+    # the request completes on the prefill (the decode is gone): it recomputes what it could not read
+    killed = prefill.generate(after, plan.answer_tokens, prefill_params_for(fresh_dec["kv_transfer_params"]))
+    seen["killed_s"] = time.perf_counter() - t0
+    seen["killed_local"] = prefill.generate(after, plan.answer_tokens, None, cache_salt="killed")["token_ids"]
     print({k: seen[k] for k in ("start", "held", "after_release", "killed_s")})
     for t in turns:
         print(t.summary(), t.notes)
@@ -174,6 +182,6 @@ def test_tensor_parallel_both_directions(model_dir: str, tmp_path: Path, prefill
     if not prefix_cache:  # vLLM's num_cached_tokens counts a local hit plus what it scheduled to load, and is not
         assert killed["num_cached_tokens"] == 0  # lowered when that load fails behind a local hit
     assert seen["killed_s"] < 30
-    log = (tmp_path / "prefill.log").read_text()
+    log = p_lease.log()
     assert re.search(r"recomputes, because (peer_lost|peer_unreachable|peer_cooling_down|transfer_failed)", log), \
         [line for line in log.splitlines() if "recomputes, because" in line][-3:]
