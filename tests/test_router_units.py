@@ -386,3 +386,12 @@ def test_a_stored_handle_serializes_as_its_fields() -> None:
     entry = StoredHandle("t", "c", {"a": [1, {"b": "é"}]}, "decode-1", None, 12.5)
     assert entry.to_json() == json.dumps(asdict(entry), separators=(",", ":"))
     assert StoredHandle.from_json(entry.to_json()) == entry
+
+
+def test_idle_backend_connections_close_before_vllm_closes_them() -> None:
+    """vLLM's server closes a kept-alive connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default); a router
+    that reuses one it is closing turns the next turn into a 502. The router lets idle connections go first."""
+    from kvshuttle.router.proxy import BACKEND_KEEPALIVE_S
+
+    vllm_default_keep_alive_s = 5.0
+    assert 0 < BACKEND_KEEPALIVE_S < vllm_default_keep_alive_s

@@ -66,6 +66,10 @@ from .store import HandleStore, MemoryStore, RedisStore, StoredHandle
 from .turn import Turn
 
 log = logging.getLogger("kvshuttle.router")
+# An idle backend connection is dropped before vLLM's server closes it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): reusing
+# one the server is closing fails the request (ServerDisconnectedError, a 502 and a backend marked down) whenever
+# a conversation's turns are more than 5 s apart, as an agent's tool calls and a person's replies are.
+BACKEND_KEEPALIVE_S = 3.0
 
 NO_PREFILL_PARAMS = {"do_remote_decode": False, "do_remote_prefill": False}  # decode computes the prompt itself
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -188,7 +192,7 @@ class Router:
     async def _start(self, _: web.Application) -> None:
         cfg = self.config
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60),
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=BACKEND_KEEPALIVE_S),
             json_serialize=_dumps)
         await self.store.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_forever(cfg.health_interval_s)))
