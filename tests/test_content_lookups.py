@@ -168,3 +168,21 @@ def test_the_index_setting_takes_a_redis_url(value: Any) -> None:
         ShuttleConfig.from_extra({"kvshuttle_content_index": value})
     assert ShuttleConfig.from_extra({"kvshuttle_content_index": "redis://:pw@h:6379/0"}).content_index is not None
     assert "pw" not in repr(ShuttleConfig.from_extra({"kvshuttle_content_index": "redis://:pw@h:6379/0"}))
+
+
+def test_publishing_starts_once_whatever_the_handshakes_repeat() -> None:
+    """Every start is a new incarnation that hides the previous one's entries: one per engine."""
+    table, made = MemoryTable(), []
+
+    def make(address: str) -> MemoryContentIndex:
+        made.append(address)
+        return MemoryContentIndex(SECRET, address, table=table)
+
+    found = ContentLookups(MemoryContentIndex(SECRET, table=table), BS, make_publisher=make)
+    try:
+        for _ in range(3):
+            found.serve_as("127.0.0.1:5790")
+        until(lambda: found.publisher is not None)
+        assert made == ["127.0.0.1:5790"]
+    finally:
+        found.close()

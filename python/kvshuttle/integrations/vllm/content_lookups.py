@@ -43,6 +43,7 @@ class ContentLookups:
         self.index = index
         self.block_size = block_size
         self._make_publisher = make_publisher
+        self._serving: str | None = None  # the address publishing was started for (once: one incarnation)
         self.publisher: ContentIndex | None = None
         self.wait_s = wait_s
         self._clock = clock
@@ -96,7 +97,8 @@ class ContentLookups:
     def serve_as(self, address: str) -> None:
         """Start publishing as the decode at ``address`` (a new incarnation: entries a predecessor at the same
         address left are no longer found). Off the scheduling thread; until it is done nothing is published."""
-        if self._make_publisher is not None and self.publisher is None:
+        if self._make_publisher is not None and self._serving is None:
+            self._serving = address
             self._pool.submit(self._start_publisher, address)
 
     def _start_publisher(self, address: str) -> None:
