@@ -186,3 +186,25 @@ def test_publishing_starts_once_whatever_the_handshakes_repeat() -> None:
         assert made == ["127.0.0.1:5790"]
     finally:
         found.close()
+
+
+def test_a_redis_that_answers_late_at_start_up_still_gets_the_publisher_started() -> None:
+    """At an engine's start-up the host is busiest: a start() that fails is retried with backoff, not given up
+    (seen in CI: a decode that gave up at once published nothing for its whole life)."""
+    table, attempts = MemoryTable(), []
+
+    class Late(MemoryContentIndex):
+        def start(self) -> None:
+            attempts.append(1)
+            if len(attempts) < 3:
+                raise RuntimeError("redis did not answer")
+            super().start()
+
+    found = ContentLookups(MemoryContentIndex(SECRET, table=table), BS,
+                           make_publisher=lambda address: Late(SECRET, address, table=table))
+    try:
+        found.serve_as("127.0.0.1:5791")
+        until(lambda: found.publisher is not None, timeout_s=10.0)
+        assert len(attempts) == 3 and found.take_counts()["publisher_retry"] == 2
+    finally:
+        found.close()

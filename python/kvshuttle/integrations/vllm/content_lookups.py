@@ -30,6 +30,8 @@ log = logging.getLogger("vllm.kvshuttle")
 PENDING = object()  # the lookup has not answered yet: ask vLLM to come back next step
 MAX_PENDING = 256  # lookups in flight at once; a request beyond them recomputes (a flood of new prompts)
 MAX_QUEUED_PUBLICATIONS = 1024
+START_TRIES, START_FIRST_DELAY_S, START_MAX_DELAY_S = 8, 0.25, 8.0  # about 35 s before publishing is given up
+PUBLISH_TIMEOUT_S = 1.0  # a publication or withdrawal runs off the scheduling thread: it may wait for Redis
 
 
 class ContentLookups:
@@ -102,15 +104,24 @@ class ContentLookups:
             self._pool.submit(self._start_publisher, address)
 
     def _start_publisher(self, address: str) -> None:
+        """Start, retrying with backoff: at an engine's start-up the host is busiest and Redis may answer late (or
+        not be up yet); a decode that gave up at once would publish nothing for its whole life."""
         assert self._make_publisher is not None
-        try:
-            publisher = self._make_publisher(address)
-            publisher.start()
-        except Exception as exc:
-            self._count("publisher_error")
-            log.warning("kvshuttle: this engine's retentions are not published in the content index: %r", exc)
+        delay, failure = START_FIRST_DELAY_S, None
+        for _ in range(START_TRIES):
+            try:
+                publisher = self._make_publisher(address)
+                publisher.start()
+            except Exception as exc:
+                failure = exc
+                self._count("publisher_retry")
+                time.sleep(delay)
+                delay = min(delay * 2, START_MAX_DELAY_S)
+                continue
+            self.publisher = publisher
             return
-        self.publisher = publisher
+        self._count("publisher_error")
+        log.warning("kvshuttle: this engine's retentions are not published in the content index: %r", failure)
 
     def publish(self, scope: str, digests: Sequence[bytes], num_tokens: int, params: Mapping[str, Any],
                 expiry_wall_s: float) -> None:
@@ -162,5 +173,7 @@ def content_lookups(url: str, secret: DeploymentSecret, block_size: int, wait_s:
     """The lookups of an engine whose content index is the Redis at ``url`` (its decode publishes there too)."""
     from ...retention.index import RedisContentIndex
 
-    return ContentLookups(RedisContentIndex(url, secret), block_size, wait_s=wait_s,
-                          make_publisher=lambda address: RedisContentIndex(url, secret, address))
+    # a lookup never needs longer than the request may wait for it; publishing is off the request's path
+    return ContentLookups(RedisContentIndex(url, secret, timeout_s=max(wait_s, 0.01)), block_size, wait_s=wait_s,
+                          make_publisher=lambda address: RedisContentIndex(url, secret, address,
+                                                                            timeout_s=PUBLISH_TIMEOUT_S))
