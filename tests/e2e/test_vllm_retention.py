@@ -49,15 +49,16 @@ def wait_for_usage(decode: Any, usage: float, timeout_s: float) -> tuple[dict[st
         time.sleep(0.5)
 
 
-# The prefill is the shared one (prefix cache off, kvshuttle's defaults): here it reads from this case's decode only,
-# every prompt it retains is read by that decode (the killed one's last prompt by its replacement), and its
-# references are computed whole (no prefix cache). The decode, with its short TTL and small budget, killed at the end,
-# is this case's alone: in the pool only to start early.
+# Both engines are this case's alone, in the pool only to start early. The decode has a short TTL and a small budget
+# and is killed at the end. The prefill is not the shared one: sharing it, its read from this decode hung the
+# prefill's worker in CI (no answer in 180 s) after it had read from the kvshuttle cases' decode, since closed: a
+# bug to find (the session note), not hidden here for good.
 SPECS["decode_short_ttl"] = pd_role("decode", "decode_short_ttl", decode_config={
     "decoder_kv_blocks_ttl": TTL_S, "kvshuttle_retention_budget_blocks": BUDGET_BLOCKS})
+SPECS["prefill_retention"] = pd_role("prefill", "prefill_retention")
 
 
-@pytest.mark.shared_engines("prefill_no_cache", "decode_short_ttl")
+@pytest.mark.shared_engines("prefill_retention", "decode_short_ttl")
 def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recompute(
         tmp_path: Path, shared_engines: Callable[..., list[Lease]]) -> None:  # noqa: F811
     from kvshuttle.bench.e2e.conversation import decode_params_for, prefill_params_for
