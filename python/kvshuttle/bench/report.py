@@ -219,6 +219,8 @@ E2E_PAIRS = (
     ("vm2_e2e_layered.json", "kvshuttle_layered", "floor", ("main",)),
     ("vm2_e2e_layered_kvheavy.json", "kvshuttle_layered", "kvshuttle", ("main",)),
     ("vm2_e2e_layered_kvheavy.json", "kvshuttle_layered", "floor", ("main",)),
+    ("vm5_e2e_mla.json", "kvshuttle", "nixl", ("main", "edited")),  # the tiny DeepSeek-V2 (CPU_MLA), --mla
+    ("vm5_e2e_mla.json", "kvshuttle", "recompute", ("main",)),
 )
 
 
