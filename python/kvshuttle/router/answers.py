@@ -28,6 +28,7 @@ from .prewarm import MAX_ANSWER_BYTES, answer_from_events, answer_from_json
 from .relay import error_response as _error
 from .sse import EventFilter, StreamFormatError
 from .store import HandleStore, StoredHandle
+from .token_exact import IdsTap, TokenExact
 from .turn import Turn
 
 log = logging.getLogger("kvshuttle.router")
@@ -37,11 +38,12 @@ _dumps = json.JSONEncoder(separators=(",", ":")).encode
 class Answers:
     """The decode's side of a turn, after the request to a decode of ``pool`` went out: :meth:`answer` (whole)
     or :meth:`relay` (streamed). ``take``: how a streamed turn's handle is taken from the decode's board;
-    ``keep_answers``: the answers' text is kept (a pre-warm, a decode-local turn's history mark)."""
+    ``keep_answers``: the answers' text is kept (a pre-warm, a decode-local turn's history mark); ``exact``: the
+    token-exact path, whose turns' ids are collected here."""
 
     def __init__(self, config: RouterConfig, metrics: RouterMetrics, store: HandleStore, secret: DeploymentSecret,
                  pool: BackendPool, take: Taker, clock: Callable[[], float], keep_answers: bool,
-                 dispatch: Dispatch) -> None:
+                 dispatch: Dispatch, exact: TokenExact | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.store = store
@@ -51,6 +53,7 @@ class Answers:
         self._clock = clock
         self._keep_answers = keep_answers
         self._dispatch = dispatch
+        self._exact = exact
 
     async def answer(self, turn: Turn, client: web.Request, resp: aiohttp.ClientResponse,
                       backend: Backend) -> web.StreamResponse:
@@ -65,6 +68,8 @@ class Answers:
             try:
                 answer = json.loads(data)
                 params = answer.pop("kv_transfer_params", None) if isinstance(answer, dict) else None
+                if isinstance(answer, dict) and turn.exact is not None and self._exact is not None:
+                    turn.exact.take(answer, False, self._exact.max_tokens)
                 clean = _dumps(answer).encode()
             except (ValueError, RecursionError):
                 answer = None
@@ -101,24 +106,26 @@ class Answers:
         events = EventFilter(hold_done=turn.key is not None and publish is not None,
                              hold_after_params=turn.key is not None)
         wait = self.config.client_write_timeout_s
+        tap = IdsTap(turn.exact, self._exact.max_tokens) if turn.exact is not None and self._exact else None
+        feed = events.feed if tap is None else lambda data: tap.feed(events.feed(data))
         try:
             started = time.perf_counter()
             chunks = resp.content.iter_any()
             first = await anext(chunks, b"")
             turn.waited += time.perf_counter() - started
             await relay.prepare(client, out, wait)
-            await relay.write(client, out, events.feed(first), wait)
+            await relay.write(client, out, feed(first), wait)
             self.metrics.added_latency.observe(max(0.0, time.perf_counter() - turn.started - turn.waited))
             keep = turn.capture
             if keep is not None:
                 keep.append(first)
             async for chunk in chunks:
-                await relay.write(client, out, events.feed(chunk), wait)
+                await relay.write(client, out, feed(chunk), wait)
                 if keep is not None:
                     keep.append(chunk)
                     if len(keep) % 64 == 0 and sum(map(len, keep)) > MAX_ANSWER_BYTES:  # too long to pre-warm
                         keep = turn.capture = None
-            await relay.write(client, out, events.finish(), wait)
+            await relay.write(client, out, events.finish() if tap is None else tap.feed(events.finish()), wait)
         except (relay.ClientGone, relay.ClientSlow) as exc:
             slow = isinstance(exc, relay.ClientSlow)
             turn.learned = "client_slow" if slow else "client_gone"
@@ -192,8 +199,9 @@ class Answers:
                         exc.reason, exc)
             return
         history = history_mark(turn.messages, turn.answer) if self.config.decode_local_max_tokens > 0 else None
+        kept = self._exact.keep(turn.exact) if self._exact is not None and turn.exact is not None else None
         entry = StoredHandle(turn.tenant, turn.conversation, stored, backend.name, backend.spec.kv_address,
-                             self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home, history)
+                             self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home, history, kept)
         try:
             await self.store.put(key, entry)
         except StoreError as exc:

@@ -178,6 +178,13 @@ class RouterConfig:
     # no tenant's prefix-cache hit or timing tells another anything), "conversation" (of tenant and
     # conversation), "off", or "auto": "tenant" when tenants are configured, else "off".
     cache_salt: CacheSalt = "auto"
+    # A Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json with chat_template): chat turns'
+    # prompts are built from the ids the decode generated (router/token_exact.py). None: off.
+    token_exact: str | None = None
+    token_exact_max_tokens: int = 65_536  # a longer conversation (prompt and answer ids) is not kept
+    # True: fall back where the template renders the kept turns differently now (token_ids.TEMPLATE_REWRITES);
+    # False: keep the ids the model saw (lenient)
+    token_exact_strict: bool = True
     admin_key: str | None = None  # with API keys, /health and /metrics need it (Bearer), or the admin listener
     # The deployment secret: verifies decode handles before they are stored, signs retention grants and
     # authenticates side-channel calls. None: DeploymentSecret.resolve() when the router starts.
@@ -254,6 +261,13 @@ class RouterConfig:
         if not isinstance(self.shutdown_grace_s, (int, float)) or not 0 <= self.shutdown_grace_s < math.inf:
             raise RouterConfigError(f"shutdown_grace_s must be a number of seconds >= 0, got "
                                     f"{shown(self.shutdown_grace_s)}")
+        if self.token_exact is not None and (not isinstance(self.token_exact, str) or not self.token_exact):
+            raise RouterConfigError(f"token_exact is a tokenizer directory or None, got {shown(self.token_exact)}")
+        if type(self.token_exact_max_tokens) is not int or not 0 < self.token_exact_max_tokens <= 1 << 22:
+            raise RouterConfigError(f"token_exact_max_tokens must be an int in [1, 4194304], got "
+                                    f"{shown(self.token_exact_max_tokens)}")
+        if type(self.token_exact_strict) is not bool:
+            raise RouterConfigError(f"token_exact_strict must be a bool, got {shown(self.token_exact_strict)}")
         if self.cache_salt not in CACHE_SALTS:
             raise RouterConfigError(f"--cache-salt is one of {CACHE_SALTS}, got {shown(self.cache_salt)}")
         if self.tenant_header is not None and self.api_keys:

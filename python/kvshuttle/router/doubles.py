@@ -20,7 +20,11 @@ edited afterwards), ``unsigned`` (no MAC), ``hang`` (never answers), ``flood`` (
 64 KiB events as fast as they are taken), ``echo_400`` (a 400 whose message echoes the request, as vLLM's
 validation errors may), ``unhealthy`` (``/health`` answers 503), ``linger`` (a stream stays open 3 s after its end
 marker); ``barrier`` holds requests until that many have
-arrived. Used by the router's tests and ``kvshuttle bench router``
+arrived. With a ``codec`` (:class:`~kvshuttle.router.token_exact.ChatCodec`, a real tokenizer) chat requests are
+tokenized as vLLM does (``kv_transfer_params.prompt_token_ids`` used instead of rendering, the prompt ids of each
+request kept in ``prompt_ids``), and ``return_token_ids`` answers with ids: the decode's answer is spelled one
+character per token (a split no re-tokenization gives back) and ends with the stop token.
+Used by the router's tests and ``kvshuttle bench router``
 (``python -m kvshuttle.router.doubles`` serves a prefill and a decode and prints their addresses as JSON).
 """
 
@@ -89,11 +93,13 @@ class FakeVllm:
 
     def __init__(self, role: str, connector: str = "kvshuttle", tokens: int = 3, delay_s: float = 0.0,
                  side_channel: bool = True, secret: DeploymentSecret | None = None,
-                 stream_params: bool = False) -> None:
+                 stream_params: bool = False, codec: Any = None) -> None:
         self.role, self.connector, self.tokens, self.delay_s = role, connector, tokens, delay_s
         self.secret = secret if secret is not None else DeploymentSecret.resolve()  # as a router resolves it
         self.stream_params = stream_params  # vLLM 0.33: a stream's last chunk carries kv_transfer_params
         self.behaviour = "ok"
+        self.codec = codec
+        self.prompt_ids: list[list[int]] = []  # with a codec: each chat request's prompt, as the engine saw it
         self.read_tokens: int | None = None  # prefill: what it reports reading back for a handle (None: 3 blocks)
         self.read_mode: ReadMode = DEFAULT_READ_MODE  # decode: the read mode its handles name (kvshuttle_reads)
         self.prewarms: list[dict[str, Any]] = []  # bodies of pre-warm requests (add_generation_prompt false)
@@ -230,6 +236,7 @@ class FakeVllm:
                 await asyncio.sleep(0.01)
         conv = marker(body)
         params = body.get("kv_transfer_params") or {}
+        prompt = self._prompt(request, body, params)
         if self.behaviour == "echo_400":  # vLLM's validation errors may quote the whole request
             return web.json_response({"object": "error", "message": f"invalid request: {body!r}",
                                       "type": "BadRequestError", "code": 400}, status=400)
@@ -242,8 +249,8 @@ class FakeVllm:
             return self._answer(request, body, "x", prefilled)
         out = self._decode_params(conv, request)
         if body.get("stream"):
-            return await self._stream(request, body, out, params.get("kvshuttle_publish_key"))
-        return self._answer(request, body, self._text(), out)
+            return await self._stream(request, body, out, params.get("kvshuttle_publish_key"), prompt)
+        return self._answer(request, body, self._text(), out, prompt)
 
     def _check_handle(self, body: dict[str, Any], params: dict[str, Any], conv: str) -> None:
         rid = params.get("remote_request_id")
@@ -283,11 +290,26 @@ class FakeVllm:
             self.issued_params.append(params)
         return params
 
+    def _prompt(self, request: web.Request, body: dict[str, Any], params: dict[str, Any]) -> list[int] | None:
+        """A chat prompt's ids as vLLM's chat path makes them (with a codec): the forwarded ones, else rendered."""
+        if self.codec is None or not request.path.endswith("/chat/completions"):
+            return None
+        ids = params.pop("prompt_token_ids", None)
+        if ids is None:
+            ids = self.codec.encode(self.codec.render(body["messages"], True))
+        self.prompt_ids.append(list(ids))
+        return list(ids)
+
+    def _ids(self, text: str, last: bool) -> list[int]:
+        """An answer piece's ids: one per character (a split re-tokenizing never gives), the stop token last."""
+        ids = [i for ch in text for i in self.codec.encode(ch)]
+        return ids + (self.codec.encode("</s>") if last else [])
+
     def _text(self) -> str:
         return "".join(f" tok{i}" for i in range(self.tokens))
 
     def _answer(self, request: web.Request, body: dict[str, Any], text: str,
-                params: dict[str, Any] | None) -> web.Response:
+                params: dict[str, Any] | None, prompt: list[int] | None = None) -> web.Response:
         chat = request.path.endswith("/chat/completions")
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
                                    "logprobs": None, "finish_reason": "stop"} if chat else
@@ -296,10 +318,12 @@ class FakeVllm:
                   "created": int(time.time()), "model": body.get("model", "fake"), "choices": [choice],
                   "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
                   "kv_transfer_params": params}
+        if prompt is not None and body.get("return_token_ids"):
+            answer["prompt_token_ids"], choice["token_ids"] = prompt, self._ids(text, True)
         return web.Response(body=_dumps(answer), content_type="application/json")
 
     async def _stream(self, request: web.Request, body: dict[str, Any], params: dict[str, Any] | None,
-                      key: Any) -> web.StreamResponse:
+                      key: Any, prompt: list[int] | None = None) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await out.prepare(request)
@@ -317,6 +341,10 @@ class FakeVllm:
                      "created": created, "model": model, "choices": [choice]}
             if last and self.stream_params:
                 chunk["kv_transfer_params"] = params
+            if prompt is not None and body.get("return_token_ids"):
+                choice["token_ids"] = self._ids(f" tok{i}", last)
+                if i == 0:
+                    chunk["prompt_token_ids"] = prompt
             await out.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
             if self.behaviour == "die_mid_stream":
                 assert request.transport is not None

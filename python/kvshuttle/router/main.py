@@ -108,6 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after a chat turn, warm the next turn's prefill with the history (1-token request)")
     parser.add_argument("--prewarm-max-in-flight", type=int, default=2, metavar="N",
                         help="pre-warms in flight per prefill at most (more are skipped)")
+    parser.add_argument("--token-exact", default=None, metavar="TOKENIZER_DIR",
+                        help="build chat turns' prompts from the ids the decode generated, so its answer blocks "
+                             "are read back (a Hugging Face tokenizer directory: tokenizer.json and "
+                             "tokenizer_config.json with chat_template; needs kvshuttle[token-exact])")
+    parser.add_argument("--token-exact-max-tokens", type=int, default=65_536, metavar="N",
+                        help="longest conversation (prompt and answer ids) kept for the token-exact path")
+    parser.add_argument("--token-exact-lenient", dest="token_exact_strict", action="store_false",
+                        help="keep the ids the model saw even where the template now renders the kept turns "
+                             "differently (default: render as usual then)")
     parser.add_argument("--max-in-flight", type=int, default=128,
                         help="turns handled at once; more wait their turn (bounds the event loop's lag)")
     parser.add_argument("--retries", type=int, default=1, help="other backends tried per role after a failure")
@@ -216,7 +225,8 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         tenant_max_bytes=args.tenant_max_bytes, max_held_bytes=args.max_held_bytes,
         max_parsed_bytes=args.max_parsed_bytes, tenant_max_conversations=args.tenant_max_conversations,
         tenant_max_store_bytes=args.tenant_max_store_bytes, cache_salt=args.cache_salt,
-        shutdown_grace_s=args.shutdown_grace, admin_key=admin_key,
+        shutdown_grace_s=args.shutdown_grace, admin_key=admin_key, token_exact=args.token_exact,
+        token_exact_max_tokens=args.token_exact_max_tokens, token_exact_strict=args.token_exact_strict,
     ).check()
     check_exposure(args.host, config, args.allow_shared_tenant)
     return config

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .placement import PLACEMENTS
+from .token_exact import KEEPS, OUTCOMES
 
 # Router's own time on the path to the first byte: sub-millisecond is the goal, so fine buckets there.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
@@ -88,10 +89,20 @@ class RouterMetrics:
                                   "Backend choices: sticky (the backend that served the conversation last), hashed "
                                   "(its rendezvous-hash home), failover (the next in hash order), balanced (no "
                                   "conversation, or affinity off)", ["role", "how"], registry=r)
+        self.token_exacts = Counter("kvshuttle_router_token_exact",
+                                    "Chat turns with --token-exact by how their prompt was made: exact (the kept "
+                                    "ids plus the new messages), or why the router rendered it as usual",
+                                    ["outcome"], registry=r)
+        self.token_exact_keeps = Counter("kvshuttle_router_token_exact_kept",
+                                         "Answers on the token-exact path: kept for the next turn, oversized, no_ids "
+                                         "(the decode returned none), unusable (several choices, tool calls, "
+                                         "reasoning)", ["outcome"], registry=r)
         # Children bound once: a labels() lookup per request is measurable at 500 req/s.
         self.lookup = {name: self.lookups.labels(name) for name in LOOKUPS}
         self.placement = {name: self.placements.labels(name) for name in PLACEMENTS}
         self.prewarm = {name: self.prewarms.labels(name) for name in PREWARMS}
+        self.token_exact = {name: self.token_exacts.labels(name) for name in OUTCOMES}
+        self.token_exact_kept = {name: self.token_exact_keeps.labels(name) for name in KEEPS}
         self.affinity = {(role, how): self.affinities.labels(role, how) for role in ("prefill", "decode")
                          for how in CHOSEN}
 

@@ -63,6 +63,8 @@ class Prefills:
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
             request["kv_transfer_params"] = self._dispatch.granted(prefill_params(offer))
+            if turn.exact is not None and turn.exact.send is not None:  # vLLM uses them instead of rendering
+                request["kv_transfer_params"]["prompt_token_ids"] = list(turn.exact.send)
             started = time.perf_counter()
             backend.in_flight += 1
             try:

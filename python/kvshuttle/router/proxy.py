@@ -63,6 +63,7 @@ from .relay import error_response as _error
 from .releases import Releases
 from .session_keys import BODY_FIELD
 from .store import HandleStore, MemoryStore, RedisStore, StoredHandle
+from .token_exact import TokenExact, load_codec
 from .turn import Turn
 
 log = logging.getLogger("kvshuttle.router")
@@ -126,8 +127,9 @@ class Router:
         self._dispatch = Dispatch(config, self.metrics, self.secret, self._keys)
         self._releases = Releases(self._release, self.metrics)
         self._prefills = Prefills(config, self.metrics, self.prefill, session, self._dispatch, self._releases)
+        self._exact = self._token_exact()
         self._answers = Answers(config, self.metrics, self.store, self.secret, self.decode, self._take, clock,
-                                self._keep_answers, self._dispatch)
+                                self._keep_answers, self._dispatch, self._exact)
         self._endpoints = Endpoints(config, self.metrics, self.store, self.prefill, self.decode, session,
                                     self._gate, self._dispatch, self._releases)
         if config.connector == "kvshuttle" and not all(d.kv_address for d in config.decode):
@@ -149,6 +151,15 @@ class Router:
         return RedisStore(cfg.store, cfg.redis_key_prefix, cfg.sweep_interval_s, timeout_s=cfg.store_timeout_s,
                           clock=self._clock, on_expire=m.expirations.inc, tenant_max_entries=entries,
                           on_drop=self._dropped)
+
+    def _token_exact(self) -> TokenExact | None:
+        """The token-exact collaborator (``--token-exact``): its tokenizer and template loaded now, or None."""
+        cfg, m = self.config, self.metrics
+        if cfg.token_exact is None:
+            return None
+        return TokenExact(load_codec(cfg.token_exact), cfg.token_exact_max_tokens, cfg.token_exact_strict,
+                          lambda outcome: m.token_exact[outcome].inc(),
+                          lambda outcome: m.token_exact_kept[outcome].inc())
 
     def _dropped(self, entry: StoredHandle) -> None:
         """A conversation the store let go at a bound: its decode need not hold it to its TTL."""
@@ -289,6 +300,8 @@ class Router:
             warm.arrived(turn.key)
         entry = await self._lookup(turn)
         try:
+            if self._exact is not None and endpoint == CHAT and turn.key is not None:
+                turn.exact = await self._exact.prepare(body, entry.kept if entry is not None else None)
             headers = {"X-Request-Id": turn.request_id, **self._dispatch.auth(request)}
             local = self._decode_local(turn, endpoint, body, entry)
             if local is not None:  # computed on the decode that holds the conversation: no prefill, no transfer
@@ -404,7 +417,12 @@ class Router:
             # decode-local turn (with neither, retention would hold memory for nobody)
             if self._decode_retains:
                 params = self._dispatch.granted(params)
+            exact = turn.exact
+            if exact is not None and exact.send is not None:  # the prompt the prefill computed, to the id
+                params["prompt_token_ids"] = list(exact.send)
             request = {**body, "kv_transfer_params": params}
+            if exact is not None:  # the answer's ids, kept for the next turn (removed from what the client sees)
+                request["return_token_ids"] = True
             started = time.perf_counter()
             backend.in_flight += 1
             try:

@@ -53,7 +53,7 @@ class EventFilter:
         if len(self._pending) > self._max:
             raise StreamFormatError(f"a server-sent event of more than {self._max} bytes")
         if _MARKER in complete:
-            complete = b"".join(self._clean(event) for event in _events(complete))
+            complete = b"".join(self._clean(event) for event in split_events(complete))
         out, self.held = self.held + complete, b""  # bytes after a held end marker go on, in order
         if self._hold_done or (self._hold_params and self.found):
             for done in DONE_EVENTS:
@@ -75,7 +75,7 @@ class EventFilter:
     def _clean(self, event: bytes) -> bytes:
         if _MARKER not in event:
             return event
-        body, end = _split_end(event)
+        body, end = split_end(event)
         lines = body.splitlines()
         data = [line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:")]
         try:
@@ -98,7 +98,7 @@ def _last_boundary(buf: bytes) -> int:
     return max(lf + 2 if lf >= 0 else -1, crlf + 4 if crlf >= 0 else -1)
 
 
-def _events(block: bytes) -> list[bytes]:
+def split_events(block: bytes) -> list[bytes]:
     """Whole events (each with its boundary) of a block that ends at a boundary."""
     events, start = [], 0
     for match in _BOUNDARY.finditer(block):
@@ -109,7 +109,7 @@ def _events(block: bytes) -> list[bytes]:
     return events
 
 
-def _split_end(event: bytes) -> tuple[bytes, bytes]:
+def split_end(event: bytes) -> tuple[bytes, bytes]:
     for end in (b"\r\n\r\n", b"\n\n"):
         if event.endswith(end):
             return event[:-len(end)], end

@@ -53,12 +53,14 @@ class StoredHandle:
     expires_at: float  # wall clock
     prefill: str | None = None  # the prefill that served the turn (affinity: its prefix cache holds the prompt)
     history: str | None = None  # what the decode holds, as the router saw it (placement.history_mark)
+    # the token-exact path's kept turn (token_exact.kept_json): ids from the decode's answer, bounded there
+    kept: str | None = None
 
     def to_json(self) -> str:
         # The fields by hand: dataclasses.asdict deep-copies params first (a measurable share of a turn's CPU).
         return _dumps({"tenant": self.tenant, "conversation": self.conversation, "params": self.params,
                        "decode": self.decode, "kv_address": self.kv_address, "expires_at": self.expires_at,
-                       "prefill": self.prefill, "history": self.history})
+                       "prefill": self.prefill, "history": self.history, "kept": self.kept})
 
     def approx_bytes(self) -> int:
         """About what keeping this entry costs: its serialized size plus the Python objects around it."""
@@ -69,9 +71,10 @@ class StoredHandle:
         data = json.loads(text)
         prefill = data.get("prefill")  # absent in entries a router before affinity stored
         history = data.get("history")  # absent in entries a router before issue 31 stored
+        kept = data.get("kept")  # absent before issue 34
         return cls(str(data["tenant"]), str(data["conversation"]), dict(data["params"]), str(data["decode"]),
                    data["kv_address"], float(data["expires_at"]), prefill if isinstance(prefill, str) else None,
-                   history if isinstance(history, str) else None)
+                   history if isinstance(history, str) else None, kept if isinstance(kept, str) else None)
 
 
 @dataclass(frozen=True)

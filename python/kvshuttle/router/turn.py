@@ -8,6 +8,7 @@ from typing import Any
 
 from .handles import store_key
 from .placement import Placement
+from .token_exact import ExactTurn
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Turn:
     answer: str | None = None  # the answer's text, kept for a pre-warm
     capture: list[bytes] | None = None  # a streamed answer's bytes, kept for its text (``answer``)
     messages: list[Any] | None = None  # a chat turn's prompt messages, for its history mark (placement.py)
+    exact: ExactTurn | None = None  # the token-exact path's state (--token-exact): ids sent and collected
 
     @property
     def key(self) -> str | None:
