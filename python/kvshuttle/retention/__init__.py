@@ -5,7 +5,8 @@
 It fixes what vLLM's decode lacks: handles can be read many times until expiry (or once, vLLM-compatible), the
 TTL is renewed on heartbeat, a reader must claim a handle first so decode refuses expired, stale (blocks
 reused) or tampered handles instead of serving them, and retained memory is bounded by a budget with LRU
-eviction. Its :class:`RetentionTerms` (``terms.py``) hold every retention default and decide when a retention
+eviction; with a tier in its terms (``tiers.py``) a retention leaving the hot cache is demoted into host memory
+instead of ended. Its :class:`RetentionTerms` (``terms.py``) hold every retention default and decide when a retention
 ends; ``eviction.py`` holds the replaceable eviction order. Expiry costs O(log n) per handle expired and O(1)
 when nothing is due.
 
@@ -19,10 +20,14 @@ from .errors import (
     ClaimLimitError,
     ClaimLostError,
     HandleConsumedError,
+    HandleDemotingError,
     HandleEvictedError,
     HandleExpiredError,
     HandleInUseError,
     HandleReleasedError,
+    HandleTierEvictedError,
+    HandleTierExpiredError,
+    HandleTierFullError,
     HandleUnavailableError,
     RetentionArgumentError,
     RetentionError,
@@ -43,25 +48,34 @@ from .terms import (
     ReadMode,
     RetentionTerms,
 )
+from .tiers import DEFAULT_TIER_TTL_S, HOST_TIER, HOT_TIER, Demotion, TierTerms
 
 __all__ = [
     "DEFAULT_BUDGET_FRACTION",
     "DEFAULT_MAX_TTL_S",
     "DEFAULT_READ_MODE",
+    "DEFAULT_TIER_TTL_S",
     "DEFAULT_TTL_S",
     "EVICTION_POLICIES",
+    "HOST_TIER",
+    "HOT_TIER",
     "MODES",
     "READ_MODES",
     "BudgetExceededError",
     "Claim",
     "ClaimLimitError",
     "ClaimLostError",
+    "Demotion",
     "EvictionPolicy",
     "HandleConsumedError",
+    "HandleDemotingError",
     "HandleEvictedError",
     "HandleExpiredError",
     "HandleInUseError",
     "HandleReleasedError",
+    "HandleTierEvictedError",
+    "HandleTierExpiredError",
+    "HandleTierFullError",
     "HandleUnavailableError",
     "LeastRecentlyUsed",
     "Mode",
@@ -73,5 +87,6 @@ __all__ = [
     "RetentionTerms",
     "StaleHandleError",
     "TamperedHandleError",
+    "TierTerms",
     "UnknownHandleError",
 ]

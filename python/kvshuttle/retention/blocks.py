@@ -102,6 +102,17 @@ class BlockTable:
                     pinned.add(b)
         return pinned
 
+    def held_only_by(self, handles: Iterable[RetainedRecord]) -> set[int]:
+        """Recorded blocks whose every holder is one of ``handles`` (what their ends would free)."""
+        among = set(handles)
+        only: set[int] = set()
+        for handle in among:
+            for b in handle.block_ids:
+                record = self._records.get(b)
+                if record is not None and all(h in among for h in record.holders):
+                    only.add(b)
+        return only
+
     def _bump(self, block: int) -> None:
         self.epoch += 1
         self._gen[block] = self.epoch

@@ -90,6 +90,31 @@ class StaleHandleError(HandleUnavailableError):
     reason = "stale"
 
 
+class HandleDemotingError(HandleUnavailableError):
+    """The handle's blocks are being copied into the host tier (or wait for reads in flight to be): its
+    claims are served again once the copy completed."""
+
+    reason = "demoting"
+
+
+class HandleTierFullError(HandleUnavailableError):
+    """The handle left the hot cache (TTL or budget) and the host tier had no room for it."""
+
+    reason = "tier_full"
+
+
+class HandleTierEvictedError(HandleUnavailableError):
+    """The handle was evicted from the host tier to make room for a later demotion."""
+
+    reason = "tier_evicted"
+
+
+class HandleTierExpiredError(HandleUnavailableError):
+    """The handle's TTL in the host tier ran out."""
+
+    reason = "tier_expired"
+
+
 class TamperedHandleError(RetentionError, ValueError):
     """The presented generation, block ids or digests differ from what decode issued: never serve it."""
 
@@ -118,5 +143,6 @@ class ClaimLimitError(RetentionError, RuntimeError):
 UNAVAILABLE: dict[str, type[HandleUnavailableError]] = {
     cls.reason: cls
     for cls in (UnknownHandleError, HandleExpiredError, HandleEvictedError, HandleReleasedError,
-                HandleConsumedError, HandleInUseError, StaleHandleError)
+                HandleConsumedError, HandleInUseError, StaleHandleError, HandleDemotingError, HandleTierFullError,
+                HandleTierEvictedError, HandleTierExpiredError)
 }

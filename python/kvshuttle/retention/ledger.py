@@ -29,6 +29,8 @@ Decisions (see also the package docstring):
   under tensor parallelism, 1 by default; its first granted claim fixes the count, a claim naming another is
   tampered) and is consumed when that many reads completed; an abort or timeout frees its slot (like vLLM,
   only completed reads or a release free the handle).
+* **Tiers.** With a tier in its terms, a retention leaving the hot cache is demoted instead of ended
+  (``demotions.py``): copied into the tier's memory, then its hot blocks go back; its handle stays valid.
 * **Thread safety.** One ``threading.Lock`` guards all state; every public method takes it once and does
   O(log n + blocks touched) work under it. ``on_free`` runs after the lock is released (it may call back into
   the ledger); ``clock`` and ``wall_clock`` run under it and must not.
@@ -59,6 +61,7 @@ from ._checks import (
 )
 from ._heap import DeadlineHeap
 from .blocks import BlockTable
+from .demotions import Demotions
 from .errors import (
     UNAVAILABLE,
     BudgetExceededError,
@@ -70,15 +73,17 @@ from .errors import (
 )
 from .records import Claim, OpenClaim, RetainedRecord, remember_end, same_as_issued
 from .terms import READ_MODES, ReadMode, RetentionTerms
+from .tiers import HOT_TIER, TIER_END_REASONS, Demotion, TierSlots
 
 Mode = ReadMode  # the ledger's older names for the read mode
 MODES = READ_MODES
 R = TypeVar("R")
 # End reasons of a handle; each is also a counter in metrics().
-END_REASONS = ("expired", "evicted", "released", "consumed", "stale")
+END_REASONS = ("expired", "evicted", "released", "consumed", "stale", *TIER_END_REASONS)
 
 
-class RetentionLedger:
+
+class RetentionLedger(Demotions):
     """Decode's record of retained blocks and the handles it issued for them; see the module docstring.
 
     ``on_free(block_ids)`` hands blocks back to the owner's allocator: each retained block exactly once, after
@@ -93,6 +98,7 @@ class RetentionLedger:
 
     A block's owner contract: retain hands the ledger the request's hold on its blocks (a block already retained
     is shared, not held twice); ``on_free`` gives it back; ``block_freed`` reports one the owner took back itself.
+    ``on_demote(Demotion)``: starts a demotion's copy (``transfer.HostTier.demote``); needed with a tier.
     """
 
     def __init__(self, engine_id: str, host: str, port: int, *, terms: RetentionTerms | None = None,
@@ -101,7 +107,8 @@ class RetentionLedger:
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  on_free: Callable[[list[int]], object] | None = None,
                  on_release: Callable[[str], object] | None = None, tombstones: int = 4096,
-                 max_ttl_s: float | None = None, max_claims_per_reader: int = 256) -> None:
+                 max_ttl_s: float | None = None, max_claims_per_reader: int = 256,
+                 on_demote: Callable[[Demotion], object] | None = None) -> None:
         if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
             raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
@@ -115,6 +122,10 @@ class RetentionLedger:
         check_callable("wall_clock", wall_clock)
         check_callable("on_free", on_free, optional=True)
         check_callable("on_release", on_release, optional=True)
+        check_callable("on_demote", on_demote, optional=True)
+        if self.terms.tier is not None and on_demote is None:
+            raise RetentionArgumentError("a tier in the terms needs on_demote, the copier into its memory "
+                                         "(kvshuttle.transfer.HostTier.demote)")
         self._max_claims_per_reader = check_count("max_claims_per_reader", max_claims_per_reader)
         self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
         limit = self.terms.budget()  # the engine's block count is not the ledger's to know: blocks only
@@ -151,6 +162,10 @@ class RetentionLedger:
         self._released: list[str] = []  # requests whose handle let go of its blocks, for on_release after it
         self._counts: Counter[str] = Counter()
         self._refusals: Counter[str] = Counter()
+        self._on_demote = on_demote
+        self._tier = TierSlots(self.terms.tier) if self.terms.tier is not None else None
+        self._copying: dict[str, RetainedRecord] = {}  # handles whose demotion copy is in flight
+        self._orders: list[Demotion] = []  # copies asked by the current operation, started after the lock
 
     # ------------------------------------------------------------------------------------------ public API
     def retain(self, request_id: str, block_ids: Iterable[int], digests: Iterable[bytes], num_tokens: int,
@@ -204,12 +219,20 @@ class RetentionLedger:
     def claimed_blocks(self, claim_id: str) -> tuple[int, ...]:
         """The blocks a live claim pins; ClaimLostError when it is not live (what an owner checks before it packs)."""
         check_id("claim_id", claim_id)
+        return self._call(lambda: self._open_claim(claim_id).claim.block_ids)
 
-        def look() -> tuple[int, ...]:
-            record = self._claims.get(claim_id)
-            if record is None or self.terms.expired(record.claim.deadline, self._clock()):
-                raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
-            return record.claim.block_ids
+    def claimed_slots(self, claim_id: str) -> tuple[int, ...] | None:
+        """Where a live claim's blocks are: None in the hot cache (by block id), else their tier slots, parallel to
+        the claim's block ids (the owner packs from the tier, and the claim counts as packed). ClaimLostError when
+        the claim is not live."""
+        check_id("claim_id", claim_id)
+
+        def look() -> tuple[int, ...] | None:
+            record = self._open_claim(claim_id)
+            if record.claim.tier == HOT_TIER:
+                return None
+            record.packed = True
+            return record.handle.slots[: len(record.claim.block_ids)]
 
         return self._call(look)
 
@@ -260,10 +283,9 @@ class RetentionLedger:
             handle = self._handles.get(handle_id)
             if handle is None:
                 return None
-            if self.terms.expired(handle.expiry, now):
-                self._end(handle, "expired")
-                return None
-            return self._wire(handle, now)
+            if handle.demote is None and self.terms.expired(handle.expiry, now):
+                self._expire(handle)  # a hot one may live on in the tier
+            return None if handle.ended is not None else self._wire(handle, now)
         return self._call(look)
 
     def generation(self, block_id: int) -> int:
@@ -298,6 +320,9 @@ class RetentionLedger:
                 "consumed": counts["consumed"],
                 "stale_handles": counts["stale"],
                 "refusals": dict(self._refusals),
+                **({} if self._tier is None else {"tiers": {self._tier.terms.name: self._tier.metrics(
+                    self.bytes_per_block, sum(1 for h in self._handles.values() if h.tier != HOT_TIER),
+                    len(self._copying))}}),
             }
 
     # ------------------------------------------------------------------------------------------- internals
@@ -305,6 +330,7 @@ class RetentionLedger:
         """Run ``fn`` under the lock, then hand what it freed to ``on_free`` / ``on_release`` outside it."""
         freed: list[int] = []
         released: list[str] = []
+        orders: list[Demotion] = []
         try:
             with self._lock:
                 try:
@@ -312,12 +338,15 @@ class RetentionLedger:
                 finally:
                     freed, self._pending = self._pending, []
                     released, self._released = self._released, []
+                    orders, self._orders = self._orders, []
         finally:
             if freed and self._on_free is not None:
                 self._on_free(freed)
             if self._on_release is not None:
                 for request_id in released:
                     self._on_release(request_id)
+            for order in orders:
+                self._start_copy(order)
 
     def _retain(self, request_id: str, ids: tuple[int, ...], digs: tuple[bytes, ...], num_tokens: int,
                 block_size: int, tp_size: int, conversation_id: str | None, ttl: float, handle_id: str | None,
@@ -347,8 +376,10 @@ class RetentionLedger:
                            "flight; free the request's blocks normally (caller_frees) and let the next turn "
                            "recompute, or raise the budget")
                 raise BudgetExceededError(message, caller_frees=self._blocks.detach(handle))
-            while len(self._blocks) > limit:  # the check above counted the room: a victim is always there
-                self._end(self._handles[self._evictable.victim()], "evicted")
+            # The check above counted the room: a victim is always there. A victim being demoted keeps its hot
+            # blocks until its copy completed; they count as gone.
+            while len(self._blocks) - len(self._blocks.held_only_by(self._copying.values())) > limit:
+                self._retire(self._handles[self._evictable.victim()], "evicted")
         # >= every generation of its blocks (staleness itself is tracked by the reused flag, so an issuer's value
         # only has to match what readers present)
         handle.generation = self._blocks.epoch if generation is None else generation
@@ -389,11 +420,12 @@ class RetentionLedger:
         if handle.once:
             handle.readers = handle.readers or readers
         if handle.claims == 0:
-            self._evictable.remove(handle_id)  # a handle being read is never evicted
+            self._order_of(handle).remove(handle_id)  # a handle being read is never evicted
             self._reading.add(handle)
         handle.claims += 1
         claim = Claim(secrets.token_urlsafe(18), handle_id, handle.generation, handle.block_ids[:count],
-                      min(handle.num_tokens, count * handle.block_size), now + self._claim_timeout, reader)
+                      min(handle.num_tokens, count * handle.block_size), now + self._claim_timeout, reader,
+                      handle.tier)
         record = OpenClaim(claim, handle)
         self._claims[claim.claim_id] = record
         self._claim_deadlines.push(claim.deadline, record)
@@ -411,10 +443,19 @@ class RetentionLedger:
             self._close_claim(record, "timed out")
             raise ClaimLostError(claim_id, "timed out")
         stale = not handle.reused.isdisjoint(claim.block_ids)  # a block outside the claimed prefix does not matter
-        self._close_claim(record, "stale" if stale else "completed")
+        # A tier claim must have been packed from the tier: a direct read read the hot cache by block id, whose
+        # blocks went back when the demotion landed.
+        unpacked = claim.tier != HOT_TIER and not record.packed
+        self._close_claim(record, "stale" if stale or unpacked else "completed")
         if stale:
             self._refusals["stale"] += 1
             raise StaleHandleError(handle.handle_id, "its blocks were reused during the read: discard them")
+        if unpacked:
+            self._refusals["unpacked_tier_read"] += 1
+            raise StaleHandleError(handle.handle_id, f"it is in the {claim.tier} tier, read packed only "
+                                   "(path='packed'): discard the blocks read")
+        if claim.tier != HOT_TIER and self._tier is not None:
+            self._tier.counts["reads"] += 1
         self._counts["hits"] += 1
         if handle.once and handle.ended is None:
             handle.done += 1
@@ -434,7 +475,7 @@ class RetentionLedger:
         now = self._clock()
         handle = self._live(handle_id, now, count=False)
         handle.expiry = self.terms.renewed(handle.expiry, now, ttl)  # the heap entry stays: re-pushed when due
-        self._evictable.touch(handle_id)
+        self._order_of(handle).touch(handle_id)
         self._counts["renewals"] += 1
         return self._wire(handle, now)
 
@@ -455,10 +496,14 @@ class RetentionLedger:
             self._close_claim(record, "timed out")
         expired = 0
         for _, handle in self._expiry.pop_due(now):
+            handle.heaped = False
+            if handle.demote is not None:  # being demoted: its tier expiry is pushed when the copy lands
+                continue
             if not self.terms.expired(handle.expiry, now):  # renewed since it was pushed
                 self._expiry.push(handle.expiry, handle)
+                handle.heaped = True
             else:
-                self._end(handle, "expired", in_heap=False)
+                self._expire(handle)
                 expired += 1
         return expired
 
@@ -468,26 +513,37 @@ class RetentionLedger:
             reason = self._ended_handles.get(handle_id, "unknown")
             self._refuse(reason, handle_id, "" if reason != "unknown" else "never issued here, or ended long ago",
                          count=count)
-        if self.terms.expired(handle.expiry, now):
-            self._end(handle, "expired")
-            self._refuse("expired", handle_id, count=count)
+        if handle.demote is None and self.terms.expired(handle.expiry, now):
+            self._expire(handle)
+        if handle.ended is not None:
+            self._refuse(handle.ended, handle_id, count=count)
+        if handle.demote is not None:
+            self._refuse("demoting", handle_id, "retry in a moment", count=count)
         return handle
 
     def _refuse(self, reason: str, handle_id: str, detail: str = "", *, count: bool = True) -> NoReturn:
         if count:
             self._refusals[reason] += 1
+            if reason in TIER_END_REASONS and self._tier is not None:
+                self._tier.counts["misses"] += 1
         raise UNAVAILABLE[reason](handle_id, detail)
 
     def _tampered(self, handle_id: str, detail: str) -> NoReturn:
         self._refusals["tampered"] += 1
         raise TamperedHandleError(handle_id, detail)
 
-    def _end(self, handle: RetainedRecord, reason: str, *, in_heap: bool = True) -> None:
-        """The handle can no longer be claimed; its blocks go now, or when its last read in flight ends."""
+    def _end(self, handle: RetainedRecord, reason: str) -> None:
+        """The handle can no longer be claimed; its blocks go now, or when its last read in flight (or its
+        demotion copy) ends."""
         handle.ended = reason  # before discard(): a compaction asks whether it is alive
+        handle.demote = None
         del self._handles[handle.handle_id]
         self._evictable.remove(handle.handle_id)
-        if in_heap:
+        if self._tier is not None:
+            self._tier.evictable.remove(handle.handle_id)
+            if reason in TIER_END_REASONS:
+                self._tier.counts[reason] += 1
+        if handle.heaped:
             self._expiry.discard()
         remember_end(self._ended_handles, handle.handle_id, reason, self._tombstone_cap)
         if handle.conversation_id is not None:
@@ -499,14 +555,27 @@ class RetentionLedger:
         self._counts[reason] += 1
         if handle.claims:
             self._draining += 1
-        else:
+        elif self._copying.get(handle.handle_id) is not handle:  # a copy in flight reads the hot blocks
             self._drop_holds(handle)
 
     def _drop_holds(self, handle: RetainedRecord) -> None:
+        if handle.tier == HOT_TIER:
+            self._release_hot(handle)
+        if handle.slots and self._tier is not None:
+            self._tier.give_back(handle.slots)
+            handle.slots = ()
+
+    def _release_hot(self, handle: RetainedRecord) -> None:
         self._released.append(handle.request_id)
         freed = self._blocks.release(handle)
         self._pending += freed
         self._counts["freed_blocks"] += len(freed)
+
+    def _open_claim(self, claim_id: str) -> OpenClaim:
+        record = self._claims.get(claim_id)
+        if record is None or self.terms.expired(record.claim.deadline, self._clock()):
+            raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
+        return record
 
     def _pop_claim(self, claim_id: str) -> OpenClaim | None:
         record = self._claims.pop(claim_id, None)
@@ -526,8 +595,10 @@ class RetentionLedger:
         if handle.claims:
             return
         self._reading.discard(handle)
-        if handle.ended is None:
-            self._evictable.admit(handle.handle_id)  # a finished read is a touch
+        if handle.ended is None and handle.demote is not None:
+            self._start_demotion(handle)  # it waited for its reads
+        elif handle.ended is None:
+            self._order_of(handle).admit(handle.handle_id)  # a finished read is a touch
         else:
             self._draining -= 1
             self._drop_holds(handle)
@@ -535,6 +606,8 @@ class RetentionLedger:
     def _wire(self, handle: RetainedRecord, now: float, ttl_left: float | None = None) -> KVHandle:
         if ttl_left is None:
             ttl_left = max(0.0, handle.expiry - now)
+        if self._tier is not None and handle.tier == HOT_TIER:  # its whole life: RetentionTerms.handle_ttl
+            ttl_left += self._tier.terms.ttl_s
         issued_at = self._wall_clock()
         return KVHandle(engine_id=self.engine_id, request_id=handle.request_id, host=self.host, port=self.port,
                         block_ids=handle.block_ids, num_tokens=handle.num_tokens, expiry_time=issued_at + ttl_left,

@@ -8,8 +8,9 @@ from typing import Any
 
 
 class RetainedRecord:
-    __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "digests", "done", "ended", "expiry",
-                 "generation", "handle_id", "num_tokens", "once", "readers", "request_id", "reused", "tp_size")
+    __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "demote", "digests", "done", "ended",
+                 "expiry", "generation", "handle_id", "heaped", "num_tokens", "once", "readers", "request_id",
+                 "reused", "slots", "tier", "tp_size")
 
     def __init__(self, handle_id: str, request_id: str, conversation_id: str | None, block_ids: tuple[int, ...],
                  digests: tuple[bytes, ...], num_tokens: int, block_size: int, tp_size: int, expiry: float) -> None:
@@ -23,6 +24,10 @@ class RetainedRecord:
         self.once = False  # use-once: `readers` claims at most, and `readers` completed reads free it
         self.readers = 0  # use-once: the reader ranks expected, fixed by the first granted claim (0: none yet)
         self.done = 0  # use-once: reads completed so far
+        self.tier = "hot"  # where its bytes are: the hot cache, or a tier once its demotion copy completed
+        self.slots: tuple[int, ...] = ()  # its tier slots, parallel to block_ids (taken when the copy starts)
+        self.demote: str | None = None  # the end reason a demotion replaces, while it waits for reads or copies
+        self.heaped = True  # whether the expiry heap holds an entry for it (a sweep popped it: no)
 
     def slot_problem(self, readers: int) -> tuple[str, str] | None:
         """Why this use-once handle cannot take one more claim expecting ``readers`` readers: ("tampered" or
@@ -63,13 +68,15 @@ class Claim:
     num_tokens: int  # tokens whose KV those blocks hold
     deadline: float
     reader: str
+    tier: str = "hot"  # where the claimed bytes are: "hot" (the cache; read direct or packed) or "host" (packed)
 
 
 class OpenClaim:
-    __slots__ = ("claim", "handle", "open")
+    __slots__ = ("claim", "handle", "open", "packed")
 
     def __init__(self, claim: Claim, handle: RetainedRecord) -> None:
         self.claim, self.handle, self.open = claim, handle, True
+        self.packed = False  # a tier claim's bytes were packed from the tier (a direct read would read hot ids)
 
 
 def same_as_issued(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:

@@ -20,6 +20,7 @@ from ..policy.kv_handle import ReadMode as ReadMode
 from ._checks import check_count, check_positive
 from .errors import RetentionArgumentError
 from .eviction import EVICTION_POLICIES, EvictionPolicy
+from .tiers import TierTerms
 
 # Words accepted on input for a deployment's sake, never produced: the router's --reads said "multi" before.
 READ_MODE_ALIASES: dict[str, ReadMode] = {"multi": "multi_read"}
@@ -69,6 +70,7 @@ class RetentionTerms:
     budget_fraction: float = DEFAULT_BUDGET_FRACTION  # applies only where the engine's block count is known
     eviction: str = DEFAULT_EVICTION  # a name in EVICTION_POLICIES
     retain: Retain = DEFAULT_RETAIN  # the grant requirement
+    tier: TierTerms | None = None  # where a retention goes instead of ending by TTL or eviction (None: it ends)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ttl_s", check_positive("ttl_s", self.ttl_s))
@@ -85,6 +87,8 @@ class RetentionTerms:
             raise RetentionArgumentError(f"eviction {shown(self.eviction)}: use one of {sorted(EVICTION_POLICIES)}")
         if not (isinstance(self.retain, str) and self.retain in RETAIN):
             raise RetentionArgumentError(f"retain {shown(self.retain)}: use 'granted' or 'always'")
+        if self.tier is not None and not isinstance(self.tier, TierTerms):
+            raise RetentionArgumentError(f"tier must be a TierTerms or None, got {type(self.tier).__name__}")
 
     def overridden(self, **values: Any) -> RetentionTerms:
         """These terms with the values given that are not None (checked again)."""
@@ -108,6 +112,13 @@ class RetentionTerms:
     def renewal(self, ttl_s: float | None = None) -> float:
         """What a renewal asking ``ttl_s`` (None: the terms' TTL) gets: at most :attr:`longest`."""
         return self.ttl_s if ttl_s is None else min(check_positive("ttl_s", ttl_s), self.longest)
+
+    def handle_ttl(self, ttl_s: float | None = None) -> float:
+        """The TTL a handle names for a retention of ``ttl_s`` hot seconds (None: the terms'): its whole life,
+        the tier's TTL added when there is a tier (it may end earlier, by eviction or a full tier, and its claims
+        then say so). An issuer outside the ledger (vLLM's scheduler) writes this into the handle it issues."""
+        hot = self.lifetime(ttl_s)
+        return hot + (self.tier.ttl_s if self.tier is not None else 0.0)
 
     @staticmethod
     def renewed(expiry: float, now: float, ttl: float) -> float:

@@ -7,6 +7,11 @@ done (``complete``) or failed (``abort``), or the claim times out. Any refusal r
 :class:`ClaimRefusedError` naming the owner's reason: the reader recomputes. A claim may say how many reader
 ranks will claim the same handle on this owner rank (``readers``, tensor parallelism): a use-once handle then
 ends after that many completed reads instead of the first.
+
+A retention may sit in a tier of host memory instead of the hot cache (demoted, ``retention/tiers.py``): its claim
+reply then names the tier (``tier``, absent for the hot cache), the owner packs its blocks from the tier, and the
+reader must read it packed (``ClaimTicket.tier``): a direct read would read the hot cache by block id, and the
+owner refuses to confirm it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class GrantedClaim(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def tier(self) -> str: ...
+
 
 class ClaimAuthority(Protocol):
     """What the owner consults on a claim (implemented by ``kvshuttle.retention.RetentionLedger``)."""
@@ -47,6 +55,8 @@ class ClaimAuthority(Protocol):
     def abort(self, claim_id: str) -> bool: ...
 
     def claimed_blocks(self, claim_id: str) -> tuple[int, ...]: ...
+
+    def claimed_slots(self, claim_id: str) -> tuple[int, ...] | None: ...
 
     def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle: ...
 
@@ -64,13 +74,23 @@ class ClaimRefusedError(TransferError):
         self.reason = reason
 
 
+HOT = "hot"  # the claim's blocks are in the owner's cache (read direct or packed)
+
+
 @dataclass(frozen=True)
 class ClaimTicket:
-    """A granted claim, as the reader sees it."""
+    """A granted claim, as the reader sees it. ``tier``: where the owner holds the blocks; anything but "hot"
+    (the host tier: "host") must be read with ``path="packed"``."""
 
     claim_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    tier: str = HOT
+
+    @property
+    def packed_only(self) -> bool:
+        """Whether only a packed read can read these blocks (they are in a tier, not the registered cache)."""
+        return self.tier != HOT
 
 
 def claim_request(handle: KVHandle, num_blocks: int | None, readers: int = 1) -> dict[str, Any]:
@@ -119,8 +139,11 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, re
             # Lists straight from msgpack: the authority compares them with what it issued, element-wise.
             granted = authority.claim(field(message, "handle_id", str), field(message, "generation", int),
                                       ids, digests, reader=reader, readers=_readers(message))
-            return {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
-                    "num_tokens": granted.num_tokens}
+            reply = {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
+                     "num_tokens": granted.num_tokens}
+            if granted.tier != HOT:  # absent for the hot cache: the reply an older reader knows
+                reply["tier"] = granted.tier
+            return reply
         if op == "renew_retention":  # clamped to the authority's maximum TTL
             renewed = authority.renew(field(message, "handle_id", str), _ttl(message))
             return {"op": "renewed", "kv_transfer_params": renewed.to_kv_transfer_params(secret)}
@@ -144,7 +167,10 @@ def ticket_from_reply(reply: dict[str, Any], address: str) -> ClaimTicket:
     if reply.get("op") != "claimed":
         raise ClaimRefusedError(f"owner at {address} refused the claim: {reply.get('message')}",
                                 str(reply.get("reason", "Unknown")))
-    return ClaimTicket(str(reply["claim_id"]), tuple(reply["block_ids"]), int(reply["num_tokens"]))
+    tier = reply.get("tier", HOT)
+    if not isinstance(tier, str) or not 0 < len(tier) <= 16:
+        raise ClaimRefusedError(f"owner at {address} named no tier a claim can be in: {str(tier)[:20]!r}", "Malformed")
+    return ClaimTicket(str(reply["claim_id"]), tuple(reply["block_ids"]), int(reply["num_tokens"]), tier)
 
 
 def check_done_reply(reply: dict[str, Any], address: str) -> None:

@@ -23,8 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.layout import PagedKVCache
+from ._nixl import NixlCallError, mem_type_of
 from .claims import ClaimAuthority
 from .config import EngineConfig
+from .errors import TransferArgumentError, TransferError
+from .host_tier import HostTier
 from .owner import OwnerRole
 from .reader import ReaderRole
 
@@ -33,11 +36,28 @@ class TransferEngine(OwnerRole, ReaderRole):
     """One worker's NIXL agent, registered cache and staging, side channel, peers and transfers."""
 
     def __init__(self, cache: PagedKVCache, config: EngineConfig | None = None, *, staging: Any = None,
-                 claims: ClaimAuthority | None = None) -> None:
+                 claims: ClaimAuthority | None = None, tier: HostTier | None = None) -> None:
         """``claims`` (an owner's retention ledger) answers readers' claims; without it claims are refused.
-        ``staging``: an optional host buffer for the staging pool (see :class:`~.endpoint.Endpoint`)."""
+        ``staging``: an optional host buffer for the staging pool (see :class:`~.endpoint.Endpoint`). ``tier``:
+        the host tier of ``cache`` (registered here, closed with the engine); the ledger demotes into it."""
+        if tier is not None and (not isinstance(tier, HostTier) or tier.hot is not cache):
+            raise TransferArgumentError("tier must be a HostTier built for this engine's cache")
         super().__init__(cache, config, staging=staging)
         self._claims = claims
+        self.tier = tier
+        if tier is not None:
+            try:
+                self._registrations.append(self._agent.register(tier.cache.regions(),
+                                                                *mem_type_of(tier.cache.geometry.device)))
+            except NixlCallError as exc:
+                self.close()
+                raise TransferError(f"registering the host tier with NIXL failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Close the engine (see :meth:`~.endpoint.Endpoint.close`), then its host tier."""
+        super().close()
+        if self.tier is not None:
+            self.tier.close()
 
     def __enter__(self) -> TransferEngine:
         return self

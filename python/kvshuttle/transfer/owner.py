@@ -10,6 +10,7 @@ from .claims import ClaimAuthority
 from .config import check_serving_trust
 from .endpoint import Endpoint
 from .errors import SideChannelError, TransferError
+from .host_tier import HostTier
 from .owner_service import OwnerService
 from .side_channel import SideChannelServer
 from .wire import NOTIF_PREFIX, PeerInfo, StagingInfo
@@ -29,6 +30,7 @@ class OwnerRole(Endpoint):
 
     _claims: ClaimAuthority | None = None
     _board: HandleBoard | None = None
+    tier: HostTier | None = None  # the host tier the ledger demotes into; tier claims are packed from it
 
     def serve(self) -> str:
         """Start answering readers on the side channel; returns its address (``tcp://host:port``, the advertised
@@ -45,7 +47,7 @@ class OwnerRole(Endpoint):
             self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
                                        self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims,
                                        secret=self.secret, max_jobs=self.config.max_jobs_per_peer,
-                                       executor=self.packs)
+                                       executor=self.packs, tier=self.tier)
             try:
                 self._server = SideChannelServer(self._zmq, self.config.host, self.config.port, self._owner.answer,
                                                  secret=self.secret, advertise_host=advertised,

@@ -14,6 +14,9 @@ or when a ready chunk is not released within the staging lease (the reader died)
 the pool. An ``abort`` may name chunks to ``keep``: a READ of them the reader could not cancel may still read their
 slots, so those go back only on their ``release`` (sent once the reader's NIXL reports the READ over) or when the
 lease ends.
+
+A claim of a retention demoted into the host tier (``host_tier.py``) packs from the tier's slots instead of the
+cache: the claim names the slots (``ClaimAuthority.claimed_slots``), parallel to the block ids the reader names.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .chunk_slots import ChunkSlots
 from .claims import ClaimAuthority, ClaimRefusedError, serve_claim
 from .errors import ProtocolError, StagingExhaustedError
 from .executors import CopyExecutor, HostExecutor
+from .host_tier import HostTier
 from .side_channel import SideChannelServer
 from .staging import Chunk, StagingPool, layout_from_wire, plan_chunks
 from .task_threads import TaskThreads
@@ -73,11 +77,14 @@ class PackJob:
     """
 
     def __init__(self, service: OwnerService, identity: bytes, tid: str, request: dict[str, Any],
-                 slots: list[int]) -> None:
+                 slots: list[int], tier_slots: list[int] | None = None) -> None:
         self.service, self.identity, self.tid = service, identity, tid
-        cache = service.cache
-        g = cache.geometry
+        g = service.cache.geometry
+        # Where the bytes are: the cache by block id, or the host tier by slot (same geometry but the block count)
+        self.source, self.executor = service.cache, service.executor
         self.ids = as_ids(request["ids"])
+        if tier_slots is not None and service.tier is not None:
+            self.source, self.executor, self.ids = service.tier.cache, service.tier_packs, as_ids(tier_slots)
         self.num_tokens = int(request["num_tokens"])
         self.layout = layout_from_wire(request["layout"])
         self.head_offset = int(request["head_offset"])
@@ -134,10 +141,10 @@ class PackJob:
                 self._cond.wait(0.1)
 
     def _submit(self, slot: int, chunk: Chunk) -> None:
-        pool, cache = self.service.pool, self.service.cache
+        pool = self.service.pool
         try:
-            completion = self.service.executor.pack(
-                cache, self.ids[chunk.remote], pool.array(slot, chunk.nbytes), num_tokens=chunk.num_tokens,
+            completion = self.executor.pack(
+                self.source, self.ids[chunk.remote], pool.array(slot, chunk.nbytes), num_tokens=chunk.num_tokens,
                 layout=self.layout, head_offset=self.head_offset)
         except BaseException:
             with self._cond:
@@ -212,9 +219,11 @@ class OwnerService:
     def __init__(self, cache: PagedKVCache, pool: StagingPool, info: Callable[[], PeerInfo],
                  lease_s: float, pack_delay_s: float = 0.0, depth: int = 2,
                  claims: ClaimAuthority | None = None, *, secret: DeploymentSecret, max_jobs: int = 8,
-                 executor: CopyExecutor | None = None) -> None:
+                 executor: CopyExecutor | None = None, tier: HostTier | None = None) -> None:
         self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
         self.executor: CopyExecutor = executor or HostExecutor()  # packs: on the host, or a CUDA stream
+        self.tier = tier
+        self.tier_packs: CopyExecutor = HostExecutor()  # the tier is host memory: packed on the job's thread
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
         self.secret, self.max_jobs = secret, max_jobs
         self.board: HandleBoard | None = None  # handles published for a router (see board.py)
@@ -276,16 +285,26 @@ class OwnerService:
             return None
         return {"op": "error", "kind": "protocol", "message": f"unknown side-channel op {op[:40]!r}"}
 
-    def _authorize(self, identity: bytes, message: dict[str, Any]) -> None:
-        """A pack covers only blocks of a live claim (owners with a ledger)."""
+    def _authorize(self, identity: bytes, message: dict[str, Any]) -> list[int] | None:
+        """A pack covers only blocks of a live claim (owners with a ledger). Returns the host tier slots to pack
+        from, parallel to the pack's ids, when the claim's blocks are in the tier; else None (the cache)."""
         if self.claims is None:
-            return  # a bare engine (benchmarks, tests): authenticated peers may read any registered byte anyway
+            return None  # a bare engine (benchmarks, tests): authenticated peers may read any registered byte
+        claim_id = field(message, "claim_id", str)
         try:
-            held = self.claims.claimed_blocks(field(message, "claim_id", str))
+            held = self.claims.claimed_blocks(claim_id)
+            slots = self.claims.claimed_slots(claim_id)
         except KVShuttleError as exc:
             raise ClaimRefusedError(f"no live claim covers this pack: {exc}", type(exc).__name__) from None
         if not set(message["ids"]) <= set(held):
             raise ClaimRefusedError("the pack names blocks outside its claim", "OutsideClaim")
+        if slots is None:
+            return None
+        if self.tier is None or self.cache.is_cuda:  # CUDA: the staging is VRAM, the tier host memory
+            raise ClaimRefusedError("the claim's blocks are in the host tier, which this engine cannot pack from "
+                                    "(no HostTier, or a CUDA cache: not wired yet); recompute", "NoTier")
+        where = dict(zip(held, slots, strict=True))
+        return [where[b] for b in message["ids"]]
 
     def _pack(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any]:
         tid = message.get("tid")
@@ -302,7 +321,7 @@ class OwnerService:
             return {"op": "error", "tid": tid, "kind": "too_many_jobs", "message": f"{why}; wait for them"}
         try:
             _validate(self.cache, self.pool.slot_bytes, message)
-            self._authorize(identity, message)
+            tier_slots = self._authorize(identity, message)
             window = field(message, "window", int, 1, MAX_WINDOW)
             slots = self.pool.reserve(window, "owner")
         except StagingExhaustedError as exc:
@@ -312,7 +331,7 @@ class OwnerService:
         except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
             return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
         try:
-            job = PackJob(self, identity, tid, message, slots)
+            job = PackJob(self, identity, tid, message, slots, tier_slots)
         except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
             self.pool.release(slots)
             return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
