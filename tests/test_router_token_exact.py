@@ -251,5 +251,8 @@ def test_a_tokenizer_directory_that_cannot_serve_is_refused_at_start(tiny_dir: P
         load_codec(tmp_path)
     with pytest.raises(RouterConfigError, match="no chat_template"):
         load_codec(with_template(tiny_dir, tmp_path / "none", ""))
+    (tmp_path / "none" / "chat_template.jinja").write_text(CHATML)  # transformers' newer layout
+    rendered = load_codec(tmp_path / "none").render([{"role": "user", "content": "u"}], True)
+    assert rendered == "<s>user\nu</s>\n<s>assistant\n"
     with pytest.raises(RouterConfigError, match="does not compile"):
         load_codec(with_template(tiny_dir, tmp_path / "bad", "{% for %}"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import logging
 import sys
@@ -65,8 +66,13 @@ class ChatCodec:
             raise ValueError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        def tojson(x: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # what transformers gives a template (vLLM renders with it): these two filters/globals and loopcontrols
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self._template = env.from_string(template)
         self._tokenizer = tokenizer
         self._specials = specials
@@ -83,8 +89,8 @@ class ChatCodec:
 
 
 def load_codec(path: str | Path) -> ChatCodec:
-    """A Hugging Face tokenizer directory (``tokenizer.json``, ``tokenizer_config.json`` with ``chat_template``) as
-    a :class:`ChatCodec`; RouterConfigError says what is missing."""
+    """A Hugging Face tokenizer directory (``tokenizer.json``, ``tokenizer_config.json`` with ``chat_template``, or
+    a ``chat_template.jinja``) as a :class:`ChatCodec`; RouterConfigError says what is missing."""
     where = Path(path)
     try:
         import jinja2  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
@@ -102,8 +108,11 @@ def load_codec(path: str | Path) -> ChatCodec:
     if isinstance(template, list):  # several named templates: vLLM's default is the one named "default"
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
                         None)
+    if (not isinstance(template, str) or not template) and (where / "chat_template.jinja").is_file():
+        template = (where / "chat_template.jinja").read_text(encoding="utf-8")  # transformers' newer layout
     if not isinstance(template, str) or not template:
-        raise RouterConfigError(f"--token-exact {where}: tokenizer_config.json has no chat_template string")
+        raise RouterConfigError(f"--token-exact {where}: no chat_template in tokenizer_config.json or "
+                                "chat_template.jinja")
 
     def special(key: str) -> str:
         value = config.get(key) or ""
