@@ -21,10 +21,13 @@ otherwise.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_vllm_nixl_baseline import model_dir  # noqa: F401  (the fixture builds the tiny model)
@@ -69,3 +72,121 @@ def test_example_deployment_affinity_failover_and_decode_local_through_the_route
     assert fourth["decode_local_tokens"] >= 256 + 128
     assert summary["router_hits"] == 3
     assert summary["prewarms"].get("used", 0) >= 1 and summary["prewarms"].get("failed", 0) == 0
+
+
+def _chat(url: str, body: dict[str, Any]) -> tuple[str, list[int], list[int]]:
+    """(answer text, prompt ids, answer ids) of one chat turn asked with ``return_token_ids`` (streamed or not)."""
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        raw = reply.read()
+    if not body.get("stream"):
+        answer = json.loads(raw)
+        choice = answer["choices"][0]
+        return choice["message"]["content"] or "", answer["prompt_token_ids"], choice["token_ids"]
+    text, prompt, ids = [], [], []
+    for line in raw.splitlines():
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            prompt = chunk.get("prompt_token_ids") or prompt
+            for choice in chunk["choices"]:
+                text.append(choice["delta"].get("content") or "")
+                ids += choice.get("token_ids") or []
+    return "".join(text), prompt, ids
+
+
+def _recompute(url: str, prompt: list[int], max_tokens: int, salt: str) -> list[int]:
+    """The answer's ids from an engine computing ``prompt`` alone (its own prefix cache bypassed by the salt)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "cache_salt": salt}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        ids: list[int] = json.loads(reply.read())["choices"][0]["token_ids"]
+    return ids
+
+
+def test_token_exact_turns_read_back_the_answers_blocks_through_chat(model_dir: str,  # noqa: F811
+                                                                     tmp_path: Path) -> None:
+    """``--token-exact``: turns 2, 3 and 4 of a chat read the decode's answer blocks back (prompt and answer),
+    where the plain path re-renders the answer and reads only the blocks before it. The tiny model's template renders
+    a kept answer after ``assistant: `` (one more space than the generation prompt ``assistant:`` the model answered
+    after: kept as it is, it shows what the path fixes), so a re-render changes every block from the answer on;
+    ``--token-exact-lenient`` keeps the ids the model saw. A last turn whose client asks for no ids gets none.
+
+    One prefill (prefix cache off: every reused token is a reverse read) and one decode, ``vllm serve`` both (no
+    engine of the shared pool speaks HTTP), two routers in front of them, one conversation each (its own document:
+    no block of one is in the other's prefix cache). Every answer equals the prefill computing the same prompt ids
+    alone."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("tokenizers")
+    from kvshuttle.bench.e2e.deployment import context_document, counters, router_counts, start_router
+    from kvshuttle.bench.e2e.engines import free_port, kill_group, shuttle_transfer_config
+    from kvshuttle.bench.e2e.serve import ServedEngine, ServeSpec
+
+    kv_port = free_port()
+    prefill = ServedEngine(ServeSpec(model=model_dir, name="prefill", kv_transfer_config=shuttle_transfer_config(),
+                                     enable_prefix_caching=False, log_path=str(tmp_path / "prefill.log")))
+    decode = ServedEngine(ServeSpec(model=model_dir, name="decode", log_path=str(tmp_path / "decode.log"),
+                                    kv_transfer_config=shuttle_transfer_config(kvshuttle_port=kv_port)))
+    routers: list[Any] = []
+    reads: dict[str, list[int]] = {}
+    held: dict[str, list[tuple[list[int], list[int]]]] = {}
+    try:
+        for engine in (prefill, decode):
+            engine.launch()
+        for engine in (prefill, decode):
+            engine.wait_ready()
+        for name, extra in (("exact", ["--token-exact", model_dir, "--token-exact-lenient"]), ("plain", [])):
+            proc, url = start_router([prefill], decode, kv_port, tmp_path / f"router-{name}.log", extra)
+            routers.append(proc)
+            messages: list[dict[str, str]] = []
+            turns: list[tuple[list[int], list[int]]] = []
+            reads[name] = []
+            held[name] = turns
+            for k in range(3):
+                content = context_document(150, seed=len(routers)) if k == 0 else f"and question {k} about it"
+                messages.append({"role": "user", "content": content})
+                before = counters(prefill)["read"]
+                body = {"model": "tiny", "messages": messages, "max_tokens": 40, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True, "stream": k == 1, "conversation_id": name}
+                text, prompt, answer = _chat(url, body)
+                reads[name].append(int(counters(prefill)["read"] - before))
+                assert answer == _recompute(prefill.url, prompt, 40, f"{name}-{k}"), f"{name} turn {k + 1}"
+                turns.append((prompt, answer))
+                messages.append({"role": "assistant", "content": text})
+            if name == "exact":  # a client that does not ask for ids: the router asks, keeps and removes them
+                messages.append({"role": "user", "content": "and a last one"})
+                body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0.0,
+                        "ignore_eos": True, "stream": True, "conversation_id": name}
+                before = counters(prefill)["read"]
+                request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                                 method="POST", headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=300) as reply:
+                    raw = reply.read()
+                assert b"token_ids" not in raw and raw.rstrip().endswith(b"data: [DONE]")
+                prompt, answer = turns[-1]
+                assert counters(prefill)["read"] - before == len(prompt) + len(answer) - 1
+            outcomes = router_counts(url, "token_exact", "outcome")
+            print(name, "read tokens per turn", reads[name], "prompt tokens", [len(p) for p, _ in turns],
+                  "outcomes", outcomes)
+            if name == "exact":
+                assert outcomes.get("exact") == 3, outcomes
+                for (prompt, answer), (later, _) in itertools.pairwise(turns):
+                    assert later[:len(prompt) + len(answer)] == prompt + answer
+            else:
+                prompt, answer = turns[0]
+                assert turns[1][0][:len(prompt) + len(answer)] != prompt + answer
+        for name, read in reads.items():
+            assert read[0] == 0
+            for k in (1, 2):
+                prompt, answer = held[name][k - 1]
+                if name == "exact":  # all the decode held: the last prompt and answer but the answer's last token
+                    assert read[k] == len(prompt) + len(answer) - 1, (name, read)
+                else:  # the re-rendered answer's blocks verify nowhere: at most the last prompt is read back
+                    assert read[k] <= len(prompt), (name, read)
+    finally:
+        for proc in routers:
+            kill_group(proc.pid)
+        for engine in (prefill, decode):
+            engine.close()
