@@ -12,6 +12,11 @@ agent pair four ways and reports GB/s against a memcpy of the same bytes measure
   peer's path model (transfer/path_model.py), as a serving engine's earlier reads would; ``auto_vs_best`` is
   auto's speed over the faster (by median) of direct and packed, ``auto_paths`` how often it took each.
 
+``--host-tier`` adds ``host_tier`` to each row: a second owner process keeps the read blocks twice under its
+retention ledger, one retention hot and one demoted into its host tier (``transfer/host_tier.py``), and the reader
+claims and reads each packed, interleaved round by round: the same bytes from the tier and from the cache;
+``tier_vs_hot`` is the tier read's speed over the hot one's (target: at least 0.8).
+
 ``packed_stages`` gives where a packed read's time goes (medians over the timed reads, from its telemetry):
 ``pack_s`` the owner's packs, ``read_s`` the chunk READs, ``unpack_s`` the unpacks, ``total_s`` the read; the
 stages overlap, so they add up to more than the total.
@@ -48,12 +53,12 @@ from .transfer_workload import (
     PIECE_SHAPES,
     SHAPES,
     Shape,
-    add_arguments,
     block_ids,
     layer_arrays,
     owner_process,
     sweep,
 )
+from .transfer_workload import add_arguments as workload_arguments
 
 __all__ = ["DEFAULT_SHAPES", "METHODS", "PIECE_SHAPES", "SHAPES", "Shape", "add_arguments", "format_table",
            "owner_process", "run"]
@@ -73,6 +78,80 @@ def _owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config:
         conn.send(engine.serve())
         while not conn.poll(0.2):
             pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    workload_arguments(parser)
+    parser.add_argument("--host-tier", action="store_true",
+                        help="also read the same blocks from a host tier and from the cache, packed (tier_vs_hot)")
+
+
+def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config: dict[str, Any],
+                ids: list[int]) -> None:
+    """An owner whose ledger keeps blocks ``ids`` twice: hot, and demoted into its host tier."""
+    from ..retention import RetentionLedger, RetentionTerms, TierTerms
+    from ..transfer import EngineConfig, TransferEngine
+    from ..transfer.host_tier import HostTier
+
+    cache = PagedKVCache.from_arrays(layer_arrays(shape, layers, blocks, seed), CacheKind.FLASH_ATTN)
+    capacity = len(ids)
+    tier = HostTier(cache, capacity)
+    with TransferEngine(cache, EngineConfig(**config), tier=tier) as engine:
+        host, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
+        ledger = RetentionLedger("bench", host, int(port), terms=RetentionTerms(tier=TierTerms(capacity)),
+                                 on_demote=tier.demote)
+        engine.claims = ledger
+        digests = [k.to_bytes(16, "little") for k in range(len(ids))]
+        args = ("hot", ids, digests, len(ids) * shape.block_size, shape.block_size)
+        hot, tiered = ledger.retain(*args), ledger.retain("tier", *args[1:])  # the second shares the blocks
+        ledger.demote(tiered.handle_id)
+        deadline = time.monotonic() + 60
+        while ledger.metrics()["tiers"]["host"]["copying"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        conn.send((engine.address, (hot, tiered)))
+        while not conn.poll(0.2):
+            pass
+
+
+def _claimed_read(engine: Any, peer: Any, lids: npt.NDArray[np.int64], handle: Any) -> None:
+    ticket = engine.claim(peer, handle)
+    engine.read(peer, lids, list(ticket.block_ids), path="packed", claim=ticket).wait(120)
+    engine.finish_claim(peer, ticket, ok=True)
+
+
+def _tier_vs_hot(shape: Shape, args: argparse.Namespace, reads: list[tuple[Any, Any]], config: dict[str, Any],
+                 source: list[npt.NDArray[Any]] | None) -> list[dict[str, Any]]:
+    """Per read: packed reads of the same blocks from the owner's host tier and from its cache, interleaved (an
+    owner per read: the reads' block ids overlap at other positions, which one ledger would take for a reuse)."""
+    from ..transfer import EngineConfig, TransferEngine
+
+    total = args.blocks + args.spare_blocks
+    layers = [np.ones((2, total, shape.block_size, shape.kv_heads, shape.head_size), dtype=np.uint16)
+              for _ in range(args.layers)]
+    out = []
+    for lids, rids in reads:
+        wanted = [int(b) for b in rids]
+        cache = PagedKVCache.from_arrays(layers, CacheKind.FLASH_ATTN)
+        with owner_process(_tier_owner, (shape, args.layers, total, args.seed, config, wanted), 120) as sent, \
+                TransferEngine(cache, EngineConfig(**config)) as engine:
+            address, pair = sent
+            read = functools.partial(_claimed_read, engine, engine.connect(address), lids)
+            verified = {}
+            for name, handle in zip(("hot", "host_tier"), pair, strict=True):
+                for layer in layers:
+                    layer[:, lids] = 0
+                read(handle)
+                verified[name] = source is None or all(np.array_equal(layer[:, lids], src[:, rids])
+                                                       for layer, src in zip(layers, source, strict=True))
+            if not all(verified.values()):
+                raise AssertionError(f"{shape.name}: wrong bytes read back by {verified}")
+            samples = interleaved_rounds({"hot": functools.partial(read, pair[0]),
+                                          "host_tier": functools.partial(read, pair[1])}, args.repeat)
+            ratios, spreads = speedups(samples, {"tier_vs_hot": ("host_tier", "hot")})
+            nbytes = len(rids) * 2 * args.layers * shape.block_size * shape.kv_heads * shape.head_size * 2
+            out.append({"gbps": {k: round(gbps(nbytes, t), 3) for k, t in medians(samples).items()},
+                        **ratios, "ratio_spread": spreads, "verified": verified})
+    return out
 
 
 def _raw_per_block(engine: Any, peer: Any) -> tuple[Any, Any]:
@@ -198,6 +277,7 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
               "pipeline_depth": depth}
     reader: _Reader | None = None
     results = []
+    reads = []
     with owner_process(_owner, (shape, args.layers, total, args.seed, config), 120) as address:
         try:
             reader = _Reader(shape, args, total, config, address)
@@ -206,6 +286,7 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
             g = reader.cache.geometry
             for pattern in patterns:
                 lids, rids = block_ids(pattern, args.blocks, total, rng)
+                reads.append((lids, rids))
                 nbytes = args.blocks * g.num_planes * g.piece_bytes
                 samples, verified = _measure(reader, lids, rids, args.repeat, source, _Memcpy(native.ext, nbytes))
                 if source is not None and not all(verified.values()):
@@ -234,6 +315,10 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
         finally:
             if reader is not None:
                 reader.close()
+    if getattr(args, "host_tier", False):  # its own owner, after the other methods' (one cache at a time)
+        source = None if args.no_verify else layer_arrays(shape, args.layers, total, args.seed)
+        for row, tier in zip(results, _tier_vs_hot(shape, args, reads, config, source), strict=True):
+            row["host_tier"] = tier
     return results
 
 
@@ -274,6 +359,12 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{r['bytes'] / 2**20:5.0f} " + " ".join(f"{r['gbps'][m]:9.2f} GB/s" for m in methods)
                      + "  " + "  ".join(f"{_cell(r, p):<17}" for p in pairs))
         lines.append(" " * 38 + "descriptors: " + ", ".join(f"{k} {v}" for k, v in r["descriptors"].items()))
+        if "host_tier" in r:
+            tier = r["host_tier"]
+            lines.append(" " * 38 + f"host tier {tier['gbps']['host_tier']:.2f} GB/s vs hot {tier['gbps']['hot']:.2f} "
+                         f"GB/s (packed, claimed): tier_vs_hot {tier['tier_vs_hot']:.2f} "
+                         f"({tier['ratio_spread']['tier_vs_hot']['min']:.2f}-"
+                         f"{tier['ratio_spread']['tier_vs_hot']['max']:.2f})")
         if "auto_paths" in r:
             taken = ", ".join(f"{path} {n}" for path, n in sorted(r["auto_paths"].items()))
             lines.append(" " * 38 + f"faster path {r['best_path']}; auto took: {taken}; last reason: "
