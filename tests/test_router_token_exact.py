@@ -9,7 +9,9 @@ the answer's text gives back. The next turn's prompt must start with the previou
 
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,9 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from kvshuttle.bench.e2e import tiny_model
+from kvshuttle.router import RouterConfig, parse_backend
 from kvshuttle.router.errors import RouterConfigError
+from kvshuttle.router.main import add_arguments, config_from
 from kvshuttle.router.sse import EventFilter
 from kvshuttle.router.token_exact import ExactTurn, IdsTap, kept_from_json, kept_json, load_codec, renderable
 from kvshuttle.router.token_ids import KeptTurn
@@ -52,7 +56,9 @@ def with_template(tiny: Path, out: Path, template: str) -> Path:
 def exact_deploy(loop: LoopThread, directory: Path | None, **config: Any) -> Deployment:
     """A router with ``token_exact=directory`` (None: off) before fakes tokenizing with that directory's codec
     (``codec_dir``'s when given)."""
-    codec = load_codec(config.pop("codec_dir", None) or directory)
+    source = config.pop("codec_dir", None) or directory
+    assert source is not None
+    codec = load_codec(source)
     return deploy(loop, backend_kwargs={"codec": codec}, token_exact=str(directory) if directory else None, **config)
 
 
@@ -239,10 +245,12 @@ def test_the_stream_tap_takes_the_ids_out_of_whole_events() -> None:
 def test_what_the_router_can_render_and_what_it_cannot() -> None:
     ok = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
     assert renderable(ok)
-    for changed in ({"tools": [{}]}, {"chat_template": "x"}, {"n": 2}, {"add_generation_prompt": False},
-                    {"messages": [{"role": "user", "content": [{"type": "text", "text": "u"}]}]},
-                    {"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]},
-                    {"messages": [{"role": "user", "content": "u", "name": "x"}]}):
+    changes: list[dict[str, Any]] = [
+        {"tools": [{}]}, {"chat_template": "x"}, {"n": 2}, {"add_generation_prompt": False},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "u"}]}]},
+        {"messages": [{"role": "tool", "content": "r", "tool_call_id": "1"}]},
+        {"messages": [{"role": "user", "content": "u", "name": "x"}]}]
+    for changed in changes:
         assert not renderable({**ok, **changed}), changed
 
 
@@ -256,3 +264,18 @@ def test_a_tokenizer_directory_that_cannot_serve_is_refused_at_start(tiny_dir: P
     assert rendered == "<s>user\nu</s>\n<s>assistant\n"
     with pytest.raises(RouterConfigError, match="does not compile"):
         load_codec(with_template(tiny_dir, tmp_path / "bad", "{% for %}"))
+
+
+def test_the_flags_and_their_checks(tiny_dir: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--prefill", "http://h:1", "--decode", "http://h:2"]
+    off = config_from(parser.parse_args(base), environ={})
+    assert (off.token_exact, off.token_exact_max_tokens, off.token_exact_strict) == (None, 65_536, True)
+    on = config_from(parser.parse_args([*base, "--token-exact", str(tiny_dir), "--token-exact-lenient",
+                                        "--token-exact-max-tokens", "1000"]), environ={})
+    assert (on.token_exact, on.token_exact_max_tokens, on.token_exact_strict) == (str(tiny_dir), 1000, False)
+    config = RouterConfig([parse_backend("http://h:1")], [parse_backend("http://h:2")])
+    for bad in ({"token_exact": ""}, {"token_exact_max_tokens": 0}, {"token_exact_strict": "yes"}):
+        with pytest.raises(RouterConfigError):
+            replace(config, **bad).check()
