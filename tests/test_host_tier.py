@@ -285,3 +285,26 @@ def test_full_evicted_and_expired_tier_retentions_are_refused_by_name(owner: Tie
         assert tier["misses"] == 3
     finally:
         reader.close()
+
+
+def test_host_tier_arguments_are_checked() -> None:
+    from kvshuttle.retention import Demotion
+    from kvshuttle.transfer import TransferArgumentError, TransferEngine
+    from kvshuttle.transfer.host_tier import HostTier, slot_runs
+
+    cache = make_cache(np.random.default_rng(3), GEOS["flash_nhd"]).cache()
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(TransferArgumentError):
+            HostTier(cache, bad)  # type: ignore[arg-type]
+    with pytest.raises(TransferArgumentError):
+        HostTier("cache", 4)  # type: ignore[arg-type]
+    tier = HostTier(cache, 4)
+    other = make_cache(np.random.default_rng(4), GEOS["flash_nhd"]).cache()
+    with pytest.raises(TransferArgumentError, match="built for this engine's cache"):
+        TransferEngine(other, tier=tier)
+    reports: list[bool] = []
+    for ids, slots in (((1, 2), (0, 4)), ((1,), (0, 1)), ((), ())):  # a slot past the capacity; counts differ
+        tier.demote(Demotion("h", ids, slots, reports.append))
+    assert reports == [False, False, False] and not tier.buffer.any()
+    assert slot_runs([3, 4, 5, 0, 1, 7]) == [(0, 3), (3, 2), (5, 1)]
+    tier.close()

@@ -14,6 +14,7 @@ import pytest
 
 from kvshuttle.policy import KVHandle
 from kvshuttle.retention import (
+    ClaimLostError,
     Demotion,
     HandleDemotingError,
     HandleExpiredError,
@@ -26,6 +27,7 @@ from kvshuttle.retention import (
     RetentionTerms,
     StaleHandleError,
     TierTerms,
+    UnknownHandleError,
 )
 from test_retention import Clock
 
@@ -262,3 +264,23 @@ def test_a_hot_block_taken_back_during_the_copy_makes_the_retention_stale() -> N
     with pytest.raises(StaleHandleError):
         env.ledger.claim(handle.handle_id, handle.generation)
     assert env.tier()["blocks"] == 0 and env.freed == [1]
+
+
+WRONG: list[Any] = [None, 3, 2.5, b"x", ["a"], {"a": 1}]
+
+
+def test_the_tier_entry_points_refuse_wrong_arguments_and_change_nothing() -> None:
+    env = make()
+    handle = retain(env, [1, 2])
+    env.ledger.claim(handle.handle_id, handle.generation)
+    before = env.ledger.metrics()
+    for value in WRONG:
+        for call in (env.ledger.demote, lambda v: env.ledger.demoted(v, True), env.ledger.claimed_slots):
+            with pytest.raises(RetentionArgumentError):
+                call(value)
+    assert env.ledger.metrics() == before and env.orders == []
+    with pytest.raises(UnknownHandleError):
+        env.ledger.demote("never-issued")
+    with pytest.raises(ClaimLostError):
+        env.ledger.claimed_slots("never-granted")
+    assert env.ledger.demoted("never-copied", True) is False
