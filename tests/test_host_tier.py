@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -157,7 +157,7 @@ class Reader:
         self.peer = self.engine.connect(owner.addresses[name])
         self.source = owner.original(name)
 
-    def read(self, handle: KVHandle, local: list[int], path: str = "packed") -> Any:
+    def read(self, handle: KVHandle, local: list[int], path: Literal["direct", "packed"] = "packed") -> Any:
         """Claim, read and confirm all of ``handle`` into poisoned ``local``; checks the bytes; returns the ticket."""
         self.poison()
         ticket = self.engine.claim(self.peer, handle)

@@ -284,3 +284,18 @@ def test_the_tier_entry_points_refuse_wrong_arguments_and_change_nothing() -> No
     with pytest.raises(ClaimLostError):
         env.ledger.claimed_slots("never-granted")
     assert env.ledger.demoted("never-copied", True) is False
+
+
+def test_an_asked_demotion_without_room_after_its_reads_keeps_the_retention_hot_and_swept() -> None:
+    env = make(capacity=2)
+    handle = retain(env, [1, 2, 3])
+    claim = env.ledger.claim(handle.handle_id, handle.generation)
+    assert env.ledger.demote(handle.handle_id) is True  # waits for the read
+    env.clock.now += TTL
+    assert env.ledger.sweep() == 0  # its heap entry is popped while it waits
+    env.ledger.complete(claim.claim_id)  # no room for 3 blocks in 2 slots: it stays hot...
+    assert env.orders == [] and env.freed == []
+    assert env.ledger.sweep() == 1  # ...and is swept again: its TTL ran out, and the tier is still too small
+    with pytest.raises(HandleTierFullError):
+        env.ledger.claim(handle.handle_id, handle.generation)
+    assert sorted(env.freed) == [1, 2, 3]

@@ -69,8 +69,8 @@ class Demotions:
 
     def demote(self, handle_id: str) -> bool:
         """Move a hot retention into the tier now: True when its copy started (or waits for its reads in flight),
-        False when it is in a tier or being demoted already, or the tier has no room (it stays hot).
-        HandleUnavailableError when it is not live; RetentionArgumentError without a tier."""
+        False when it is in a tier already, or the tier has no room (it stays hot). HandleUnavailableError when it
+        is not live (``HandleDemotingError``: being demoted already); RetentionArgumentError without a tier."""
         check_id("handle_id", handle_id)
         if self._tier is None:
             raise RetentionArgumentError("this ledger has no tier to demote into (RetentionTerms.tier)")
@@ -122,7 +122,7 @@ class Demotions:
         if tier.free < count:
             handle.demote = None
             if reason == EXPLICIT:  # asked, not forced: it stays hot
-                self._evictable.admit(handle.handle_id)
+                self._keep_hot(handle)
             else:
                 self._end(handle, "tier_full")
             return
@@ -130,6 +130,13 @@ class Demotions:
         self._copying[handle.handle_id] = handle
         self._orders.append(Demotion(handle.handle_id, handle.block_ids, handle.slots,
                                      functools.partial(self.demoted, handle.handle_id)))
+
+    def _keep_hot(self, handle: RetainedRecord) -> None:
+        """An asked demotion that did not happen: evictable and swept again as before."""
+        self._evictable.admit(handle.handle_id)
+        if not handle.heaped:  # a sweep popped it while it waited
+            self._expiry.push(handle.expiry, handle)
+            handle.heaped = True
 
     def _start_copy(self, order: Demotion) -> None:
         """Hand a demotion to the copier (outside the lock); a copier that raises failed the copy."""
@@ -155,7 +162,7 @@ class Demotions:
             tier.give_back(handle.slots)
             handle.slots = ()
             if reason == EXPLICIT and not handle.reused:
-                self._evictable.admit(handle_id)
+                self._keep_hot(handle)
             else:
                 self._end(handle, "stale" if handle.reused else reason or "evicted")
             return True

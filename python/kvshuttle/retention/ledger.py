@@ -82,7 +82,6 @@ R = TypeVar("R")
 END_REASONS = ("expired", "evicted", "released", "consumed", "stale", *TIER_END_REASONS)
 
 
-
 class RetentionLedger(Demotions):
     """Decode's record of retained blocks and the handles it issued for them; see the module docstring.
 
