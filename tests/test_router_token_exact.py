@@ -27,7 +27,7 @@ from kvshuttle.router.main import add_arguments, config_from
 from kvshuttle.router.sse import EventFilter
 from kvshuttle.router.token_exact import ExactTurn, IdsTap, kept_from_json, kept_json, load_codec, renderable
 from kvshuttle.router.token_ids import KeptTurn
-from router_helpers import Deployment, LoopThread, RedisServer, deploy, post_raw
+from router_helpers import Deployment, LoopThread, RedisServer, deploy, post_raw, wait_until
 
 pytest_plugins = ["router_fixtures"]  # loop, redis_server
 ANSWER = " tok0 tok1 tok2"
@@ -279,3 +279,20 @@ def test_the_flags_and_their_checks(tiny_dir: Path) -> None:
     for bad in ({"token_exact": ""}, {"token_exact_max_tokens": 0}, {"token_exact_strict": "yes"}):
         with pytest.raises(RouterConfigError):
             replace(config, **bad).check()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_prewarm_computes_the_ids_the_next_exact_prompt_starts_with(loop: LoopThread, tiny_dir: Path,
+                                                                      stream: bool) -> None:
+    d = exact_deploy(loop, tiny_dir, token_exact_strict=False, prewarm=True)
+    try:
+        conversation(d, (stream,))
+        prefill = d.prefills[0]
+        assert wait_until(lambda: bool(prefill.prewarms))
+        warm = prefill.prewarms[0]["kv_transfer_params"]["prompt_token_ids"]
+        assert warm == kept_ids(d, 0)  # the prompt and the answer, its stop token left out
+        chat(d, [{"role": "user", "content": "question 0 about the shuttle"}, {"role": "assistant", "content": ANSWER},
+                 {"role": "user", "content": "more"}], False)
+        assert prefill.prompt_ids[-1][:len(warm)] == warm  # what the warmed prefix cache holds is the prefix
+    finally:
+        d.close()

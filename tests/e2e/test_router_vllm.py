@@ -25,6 +25,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,8 @@ def test_token_exact_turns_read_back_the_answers_blocks_through_chat(model_dir: 
     where the plain path re-renders the answer and reads only the blocks before it. The tiny model's template renders
     a kept answer after ``assistant: `` (one more space than the generation prompt ``assistant:`` the model answered
     after: kept as it is, it shows what the path fixes), so a re-render changes every block from the answer on;
-    ``--token-exact-lenient`` keeps the ids the model saw. A last turn whose client asks for no ids gets none.
+    ``--token-exact-lenient`` keeps the ids the model saw. A last turn whose client asks for no ids gets none; its
+    pre-warm (``--prewarm``: the turn's ids as ``prompt_token_ids``) is taken by vLLM.
 
     One prefill (prefix cache off: every reused token is a reverse read) and one decode, ``vllm serve`` both (no
     engine of the shared pool speaks HTTP), two routers in front of them, one conversation each (its own document:
@@ -137,7 +139,8 @@ def test_token_exact_turns_read_back_the_answers_blocks_through_chat(model_dir: 
             engine.launch()
         for engine in (prefill, decode):
             engine.wait_ready()
-        for name, extra in (("exact", ["--token-exact", model_dir, "--token-exact-lenient"]), ("plain", [])):
+        for name, extra in (("exact", ["--token-exact", model_dir, "--token-exact-lenient", "--prewarm"]),
+                            ("plain", [])):
             proc, url = start_router([prefill], decode, kv_port, tmp_path / f"router-{name}.log", extra)
             routers.append(proc)
             messages: list[dict[str, str]] = []
@@ -167,6 +170,12 @@ def test_token_exact_turns_read_back_the_answers_blocks_through_chat(model_dir: 
                 assert b"token_ids" not in raw and raw.rstrip().endswith(b"data: [DONE]")
                 prompt, answer = turns[-1]
                 assert counters(prefill)["read"] - before == len(prompt) + len(answer) - 1
+                # its pre-warm (the turn's ids, not a rendering) is a request vLLM takes
+                deadline = time.monotonic() + 60
+                while not router_counts(url, "prewarms", "result").get("done") and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                warmed = router_counts(url, "prewarms", "result")
+                assert warmed.get("done", 0) >= 1 and warmed.get("failed", 0) == 0, warmed
             outcomes = router_counts(url, "token_exact", "outcome")
             print(name, "read tokens per turn", reads[name], "prompt tokens", [len(p) for p, _ in turns],
                   "outcomes", outcomes)

@@ -63,10 +63,14 @@ def answer_from_events(chunks: list[bytes]) -> str | None:
     return "".join(parts)
 
 
-def warming_request(body: dict[str, Any], answer: str) -> dict[str, Any]:
+def warming_request(body: dict[str, Any], answer: str, prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """The pre-warm's chat request: the client's (model, template and tool settings kept, so the prompt renders
-    alike), its messages plus the answer, no generation prompt, one token, no transfer parameters."""
+    alike), its messages plus the answer, no generation prompt, one token, no transfer parameters; with
+    ``prompt_ids`` (the token-exact path's: the turn's prompt and answer ids) those instead of the rendering, as
+    the next turn's prompt will start."""
     request = {k: v for k, v in body.items() if k not in DROPPED}
+    if prompt_ids is not None:
+        request["kv_transfer_params"] = {"prompt_token_ids": prompt_ids}
     request["messages"] = [*body["messages"], {"role": "assistant", "content": answer}]
     request.update(max_tokens=1, stream=False, add_generation_prompt=False, continue_final_message=False)
     if "max_completion_tokens" in request:
@@ -104,7 +108,7 @@ class Prewarmer:
             self.count("used" if warmed == prefill else "wasted")
 
     def start(self, key: str, backend: Backend, body: dict[str, Any], answer: str,
-              headers: dict[str, str], tenant: str = "") -> None:
+              headers: dict[str, str], tenant: str = "", prompt_ids: list[int] | None = None) -> None:
         mine = (backend.name, tenant)
         if self._busy.get(backend.name, 0) >= self.max_in_flight or \
                 self._tenant_busy.get(mine, 0) >= self.tenant_share:
@@ -112,8 +116,8 @@ class Prewarmer:
             return
         self._busy[backend.name] = self._busy.get(backend.name, 0) + 1
         self._tenant_busy[mine] = self._tenant_busy.get(mine, 0) + 1
-        task = asyncio.get_running_loop().create_task(self._send(key, backend, warming_request(body, answer),
-                                                                 backend.headers(headers)))
+        request = warming_request(body, answer, prompt_ids)
+        task = asyncio.get_running_loop().create_task(self._send(key, backend, request, backend.headers(headers)))
         self._running[key] = task
         task.add_done_callback(lambda _: self._done(key, mine, task))
         self.count("sent")

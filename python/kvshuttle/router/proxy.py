@@ -350,8 +350,9 @@ class Router:
         if answer is None or backend is None or turn.key is None:
             warm.count("skipped")
             return
+        ids = self._exact.warm_ids(turn.exact) if self._exact is not None and turn.exact is not None else None
         warm.start(turn.key, backend, body, answer, {k: v for k, v in headers.items() if k != "X-Request-Id"},
-                   turn.tenant or "")
+                   turn.tenant or "", ids)
 
     def _refused(self, endpoint: str, status: int, message: str, kind: str = "invalid_request_error",
                  close: bool = False) -> web.Response:

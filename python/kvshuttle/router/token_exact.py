@@ -288,6 +288,14 @@ class TokenExact:
             turn.send = found.ids
         return turn
 
+    def warm_ids(self, turn: ExactTurn) -> list[int] | None:
+        """What a pre-warm computes on the token-exact path: the turn's prompt and answer ids but the last (a stop
+        token the next prompt may leave out), a prefix of the next exact prompt; None when nothing was kept."""
+        if not turn.usable or turn.overflow or turn.prompt_ids is None or not turn.answer_ids or \
+                len(turn.prompt_ids) + len(turn.answer_ids) > self.max_tokens:
+            return None
+        return turn.prompt_ids + turn.answer_ids[:-1]
+
     def keep(self, turn: ExactTurn) -> str | None:
         """The kept turn to store with the decode's handle (JSON), or None (counted)."""
         if not turn.usable:
