@@ -296,3 +296,21 @@ def test_a_prewarm_computes_the_ids_the_next_exact_prompt_starts_with(loop: Loop
         assert prefill.prompt_ids[-1][:len(warm)] == warm  # what the warmed prefix cache holds is the prefix
     finally:
         d.close()
+
+
+def test_an_answer_whose_ids_do_not_cover_its_text_is_not_kept() -> None:
+    turn = ExactTurn([], client_ids=False)
+    turn.take({"prompt_token_ids": [1], "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [7]}]},
+              True, 100)
+    turn.take({"choices": [{"index": 0, "delta": {"content": "b"}}]}, True, 100)  # reasoning hid its ids
+    assert not turn.usable
+    several = ExactTurn([], client_ids=False)
+    several.take({"prompt_token_ids": [1], "choices": [
+        {"index": 0, "message": {"content": "a"}, "token_ids": [7]},
+        {"index": 1, "message": {"content": "b"}, "token_ids": [8]}]}, False, 100)
+    assert not several.usable and several.answer_ids == [7]
+    tools = ExactTurn([], client_ids=True)
+    answer = {"prompt_token_ids": [1], "choices": [
+        {"index": 0, "message": {"content": "", "tool_calls": [{"id": "x"}]}, "token_ids": [7]}]}
+    tools.take(answer, False, 100)
+    assert not tools.usable and answer["choices"][0]["token_ids"] == [7]  # the client asked: left in

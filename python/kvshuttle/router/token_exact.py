@@ -158,9 +158,12 @@ class ExactTurn:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(message, dict) and any(message.get(k) for k in message if k not in ("role", "content")):
                 self.usable = False  # tool calls or reasoning: the next turn renders more than the content
+            if self.overflow or not self.usable:
+                continue  # nothing of this turn will be kept: collect no more
             if ids is None:
-                continue
-            if not _ids(ids):
+                if content:
+                    self.usable = False  # text without its ids: the kept ids would not spell it
+            elif not _ids(ids):
                 self.usable = False
             elif len(self.answer_ids) + len(ids) > limit:
                 self.overflow = True
