@@ -299,3 +299,20 @@ def test_an_asked_demotion_without_room_after_its_reads_keeps_the_retention_hot_
     with pytest.raises(HandleTierFullError):
         env.ledger.claim(handle.handle_id, handle.generation)
     assert sorted(env.freed) == [1, 2, 3]
+
+
+def test_on_release_fires_when_the_hot_blocks_go_and_on_end_when_the_retention_ends() -> None:
+    clock, orders, released, ended = Clock(), list[Demotion](), list[str](), list[str]()
+    ledger = RetentionLedger("decode-0", "10.0.0.2", 5600, clock=clock, on_release=released.append,
+                             on_end=ended.append, on_demote=orders.append,
+                             terms=RetentionTerms(ttl_s=TTL, tier=TierTerms(4, ttl_s=TIER_TTL)))
+    digests = [b"a" * 16, b"b" * 16]
+    demoted, hot = ledger.retain("r1", [1, 2], digests, 32, BS), ledger.retain("r2", [3, 4], digests, 32, BS)
+    ledger.demote(demoted.handle_id)
+    orders.pop().done(True)
+    assert released == ["r1"] and ended == []  # vLLM may free r1's blocks; the retention lives on
+    ledger.release(hot.handle_id)
+    assert released == ["r1", "r2"] and ended == ["r2"]
+    clock.now += TIER_TTL
+    ledger.sweep()
+    assert released == ["r1", "r2"] and ended == ["r2", "r1"]  # blocks given back once; ended once

@@ -97,7 +97,10 @@ class RetentionLedger(Demotions):
 
     A block's owner contract: retain hands the ledger the request's hold on its blocks (a block already retained
     is shared, not held twice); ``on_free`` gives it back; ``block_freed`` reports one the owner took back itself.
-    ``on_demote(Demotion)``: starts a demotion's copy (``transfer.HostTier.demote``); needed with a tier.
+    ``on_demote(Demotion)``: starts a demotion's copy (``transfer.HostTier.demote``); needed with a tier. With a
+    tier ``on_release`` still fires once per retention, when its hot blocks go back: at its end, or when its
+    demotion landed (it lives on in the tier); ``on_end(request_id)`` fires once when a retention ends on every
+    tier (what a TP rank tells the others), after the lock like the others.
     """
 
     def __init__(self, engine_id: str, host: str, port: int, *, terms: RetentionTerms | None = None,
@@ -107,7 +110,8 @@ class RetentionLedger(Demotions):
                  on_free: Callable[[list[int]], object] | None = None,
                  on_release: Callable[[str], object] | None = None, tombstones: int = 4096,
                  max_ttl_s: float | None = None, max_claims_per_reader: int = 256,
-                 on_demote: Callable[[Demotion], object] | None = None) -> None:
+                 on_demote: Callable[[Demotion], object] | None = None,
+                 on_end: Callable[[str], object] | None = None) -> None:
         if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
             raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
@@ -122,6 +126,7 @@ class RetentionLedger(Demotions):
         check_callable("on_free", on_free, optional=True)
         check_callable("on_release", on_release, optional=True)
         check_callable("on_demote", on_demote, optional=True)
+        check_callable("on_end", on_end, optional=True)
         if self.terms.tier is not None and on_demote is None:
             raise RetentionArgumentError("a tier in the terms needs on_demote, the copier into its memory "
                                          "(kvshuttle.transfer.HostTier.demote)")
@@ -161,7 +166,8 @@ class RetentionLedger(Demotions):
         self._released: list[str] = []  # requests whose handle let go of its blocks, for on_release after it
         self._counts: Counter[str] = Counter()
         self._refusals: Counter[str] = Counter()
-        self._on_demote = on_demote
+        self._on_demote, self._on_end = on_demote, on_end
+        self._ends: list[str] = []  # requests whose retention ended, for on_end after the lock
         self._tier = TierSlots(self.terms.tier) if self.terms.tier is not None else None
         self._copying: dict[str, RetainedRecord] = {}  # handles whose demotion copy is in flight
         self._orders: list[Demotion] = []  # copies asked by the current operation, started after the lock
@@ -330,6 +336,7 @@ class RetentionLedger(Demotions):
         freed: list[int] = []
         released: list[str] = []
         orders: list[Demotion] = []
+        ends: list[str] = []
         try:
             with self._lock:
                 try:
@@ -338,12 +345,16 @@ class RetentionLedger(Demotions):
                     freed, self._pending = self._pending, []
                     released, self._released = self._released, []
                     orders, self._orders = self._orders, []
+                    ends, self._ends = self._ends, []
         finally:
             if freed and self._on_free is not None:
                 self._on_free(freed)
             if self._on_release is not None:
                 for request_id in released:
                     self._on_release(request_id)
+            if self._on_end is not None:
+                for request_id in ends:
+                    self._on_end(request_id)
             for order in orders:
                 self._start_copy(order)
 
@@ -552,6 +563,7 @@ class RetentionLedger(Demotions):
                 if not ids:
                     del self._conversations[handle.conversation_id]
         self._counts[reason] += 1
+        self._ends.append(handle.request_id)
         if handle.claims:
             self._draining += 1
         elif self._copying.get(handle.handle_id) is not handle:  # a copy in flight reads the hot blocks
