@@ -314,3 +314,16 @@ def test_an_answer_whose_ids_do_not_cover_its_text_is_not_kept() -> None:
         {"index": 0, "message": {"content": "", "tool_calls": [{"id": "x"}]}, "token_ids": [7]}]}
     tools.take(answer, False, 100)
     assert not tools.usable and answer["choices"][0]["token_ids"] == [7]  # the client asked: left in
+
+
+def test_a_tokenizer_or_template_other_than_the_served_ones_keeps_nothing(loop: LoopThread, tiny_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    # the router was given a ChatML template; the engines render the tiny model's own
+    d = exact_deploy(loop, with_template(tiny_dir, tmp_path / "chatml", CHATML), codec_dir=tiny_dir)
+    try:
+        conversation(d, (False, True, False))
+        assert d.metric("kvshuttle_router_token_exact_kept_total", outcome="mismatch") == 3
+        assert outcome(d, "no_kept_turn") == 3 and outcome(d, "exact") == 0
+        assert all("prompt_token_ids" not in r["body"]["kv_transfer_params"] for r in d.prefills[0].requests)
+    finally:
+        d.close()

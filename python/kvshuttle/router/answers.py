@@ -199,7 +199,7 @@ class Answers:
                         exc.reason, exc)
             return
         history = history_mark(turn.messages, turn.answer) if self.config.decode_local_max_tokens > 0 else None
-        kept = self._exact.keep(turn.exact) if self._exact is not None and turn.exact is not None else None
+        kept = await self._exact.keep(turn.exact) if self._exact is not None and turn.exact is not None else None
         entry = StoredHandle(turn.tenant, turn.conversation, stored, backend.name, backend.spec.kv_address,
                              self._clock() + min(self.config.ttl_s, life), turn.prefill or turn.home, history, kept)
         try:

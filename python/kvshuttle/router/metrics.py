@@ -96,7 +96,8 @@ class RouterMetrics:
         self.token_exact_keeps = Counter("kvshuttle_router_token_exact_kept",
                                          "Answers on the token-exact path: kept for the next turn, oversized, no_ids "
                                          "(the decode returned none), unusable (several choices, tool calls, "
-                                         "reasoning)", ["outcome"], registry=r)
+                                         "reasoning), mismatch (the decode's prompt ids are not what this tokenizer "
+                                         "and template give)", ["outcome"], registry=r)
         # Children bound once: a labels() lookup per request is measurable at 500 req/s.
         self.lookup = {name: self.lookups.labels(name) for name in LOOKUPS}
         self.placement = {name: self.placements.labels(name) for name in PLACEMENTS}

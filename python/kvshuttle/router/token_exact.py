@@ -44,7 +44,7 @@ OUTCOMES = (token_ids.EXACT, token_ids.HISTORY_EDITED, token_ids.NO_NEW_MESSAGES
             token_ids.ANSWER_END_MISMATCH, token_ids.TEMPLATE_REWRITES, NO_KEPT_TURN, UNSUPPORTED, ERROR)
 # What became of a turn's answer: kept for the next turn, or why not.
 KEPT = "kept"
-KEEPS = (KEPT, "oversized", "no_ids", "unusable")
+KEEPS = (KEPT, "oversized", "no_ids", "unusable", "mismatch")
 # Body fields that make vLLM render the prompt differently from the template alone (or several prompts).
 RENDER_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents", "continue_final_message", "echo",
                  "mm_processor_kwargs", "prompt_embeds")
@@ -137,6 +137,7 @@ class ExactTurn:
     text: list[str] = field(default_factory=list)
     usable: bool = True  # one choice, text only, within bounds: what can be kept
     overflow: bool = False
+    kept: bool = False  # stored with the handle (TokenExact.keep)
 
     def take(self, chunk: dict[str, Any], streamed: bool, limit: int) -> None:
         """Collect (and unless the client asked, remove) the ids of one answer or stream chunk."""
@@ -291,16 +292,20 @@ class TokenExact:
             turn.send = found.ids
         return turn
 
+    def _renders_as_served(self, messages: list[Any], prompt_ids: list[int]) -> bool:
+        return self.codec.encode(self.codec.render(messages, True)) == prompt_ids
+
     def warm_ids(self, turn: ExactTurn) -> list[int] | None:
         """What a pre-warm computes on the token-exact path: the turn's prompt and answer ids but the last (a stop
         token the next prompt may leave out), a prefix of the next exact prompt; None when nothing was kept."""
-        if not turn.usable or turn.overflow or turn.prompt_ids is None or not turn.answer_ids or \
-                len(turn.prompt_ids) + len(turn.answer_ids) > self.max_tokens:
+        if not turn.kept or turn.prompt_ids is None:
             return None
         return turn.prompt_ids + turn.answer_ids[:-1]
 
-    def keep(self, turn: ExactTurn) -> str | None:
-        """The kept turn to store with the decode's handle (JSON), or None (counted)."""
+    async def keep(self, turn: ExactTurn) -> str | None:
+        """The kept turn to store with the decode's handle (JSON), or None (counted). Kept only when the decode's
+        prompt ids are what this router would have sent: its ids on an exact turn, else its own rendering (a
+        tokenizer or template other than the served model's is found here, before any id of it is sent)."""
         if not turn.usable:
             self._kept("unusable")
             return None
@@ -310,10 +315,21 @@ class TokenExact:
         if turn.overflow or len(turn.prompt_ids) + len(turn.answer_ids) > self.max_tokens:
             self._kept("oversized")
             return None
+        if turn.send is not None:
+            same = turn.prompt_ids == list(turn.send)
+        else:
+            try:  # off the event loop: a render and an encoding of the whole conversation
+                same = await asyncio.to_thread(self._renders_as_served, turn.messages, turn.prompt_ids)
+            except Exception:  # the template raised on it: nothing the router could build on
+                same = False
+        if not same:
+            self._kept("mismatch")
+            return None
         text = kept_json(KeptTurn(tuple(turn.messages), tuple(turn.prompt_ids), tuple(turn.answer_ids),
                                   "".join(turn.text)))
         if len(text) > self.max_bytes:
             self._kept("oversized")
             return None
         self._kept(KEPT)
+        turn.kept = True
         return text
