@@ -181,6 +181,9 @@ def test_token_exact_turns_read_back_the_answers_blocks_through_chat(model_dir: 
                   "outcomes", outcomes)
             if name == "exact":
                 assert outcomes.get("exact") == 3, outcomes
+                # turn 1's prompt ids are what the router renders and encodes with the model's directory itself
+                kept = router_counts(url, "token_exact_kept", "outcome")
+                assert kept.get("kept") == 4 and not kept.get("mismatch"), kept
                 for (prompt, answer), (later, _) in itertools.pairwise(turns):
                     assert later[:len(prompt) + len(answer)] == prompt + answer
             else:
