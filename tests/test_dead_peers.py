@@ -188,3 +188,25 @@ def test_a_lost_peer_is_never_reported_as_a_transfer_success(reader: tuple[Trans
             engine.read(peer, [9, 10], [0, 1], path="direct").wait()
     assert isinstance(info.value, PeerLostError)
     assert info.value.invalid_block_ids == (9, 10)
+
+
+def test_a_dead_owner_left_alone_costs_the_reader_nothing(reader: tuple[TransferEngine, Any]) -> None:
+    """A reader never reconnects to an owner that went away. Reconnecting every 100 ms queued ~14 monitor events
+    a second that nobody read once the peer was lost; at 1,000 libzmq's I/O thread blocked, every socket of the
+    engine stopped and closing one froze the whole process (a prefill's worker, ~70 s after its decode was
+    closed). Here: a dead owner's connections stay silent however long the reader leaves them alone."""
+    engine, _ = reader
+    with OwnerProcess([OwnerSpec(GEO, 28, STAGING)]) as owner:
+        peer = engine.connect(owner.addresses[0])
+        engine.read(peer, [1, 2], [3, 4], path="packed").wait(10)  # an idle packed stream is kept too
+        stream = peer.checkout(engine._zmq)
+        owner.kill()
+        time.sleep(0.5)
+        assert peer.watch() is not None and stream.watch() is not None
+        seen = (peer.conn.link.events, stream.link.events)
+        time.sleep(2.0)  # reconnecting, ~28 more events each
+        peer.conn.watch()
+        stream.watch()
+        assert (peer.conn.link.events, stream.link.events) == seen, "a lost connection kept reconnecting"
+        assert max(seen) <= 8, seen
+        stream.close()

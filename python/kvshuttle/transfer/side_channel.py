@@ -217,6 +217,12 @@ def client_socket(context: Any, address: str, secret: DeploymentSecret, *, heart
     socket.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(peer_timeout_s * 1000)))
     # heartbeats start after the ZMTP handshake; a peer frozen before it would otherwise get 30 s
     socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(peer_timeout_s * 1000)))
+    # Never reconnect: a connection is to one owner process, lost once it drops (LinkWatch). Reconnecting to a
+    # dead owner every 100 ms queued ~14 monitor events a second that nobody reads once the link is lost; at the
+    # monitor's 1,000-message limit libzmq's I/O thread blocks sending the next one, every socket of the context
+    # stops, and closing the socket then blocks with the GIL held: the whole process froze (a prefill's worker,
+    # ~70 s after a decode it had read from went away).
+    socket.setsockopt(zmq.RECONNECT_IVL, -1)
     monitor = socket.get_monitor_socket(_WATCHED)
     try:
         socket.connect(address)
@@ -245,9 +251,11 @@ class LinkWatch:
         self.refused = False  # a connection attempt was refused before any succeeded
         self.auth_failed = False  # the CURVE handshake failed: the other side is not of this deployment
         self.lost: str | None = None  # why the connection is gone, once it is
+        self.events = 0  # monitor events fed (bounded per connection: it never reconnects)
 
     def feed(self, frames: list[bytes]) -> None:
         """One monitor message (its frames)."""
+        self.events += 1
         if self.lost is not None:
             return
         parsed = parse_monitor_message(frames)
@@ -263,8 +271,8 @@ class LinkWatch:
                          "cut off)")
         elif event == zmq.EVENT_CONNECTED:
             self.ever_connected = True
-        elif event == zmq.EVENT_CONNECT_RETRIED and not self.ever_connected:
-            self.refused = True
+        elif event in (zmq.EVENT_CONNECT_RETRIED, zmq.EVENT_CLOSED) and not self.ever_connected:
+            self.refused = True  # (without reconnects a refused first connect ends in CLOSED)
         elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) and self.ever_connected:
             self.lost = (f"the connection to {self.address} dropped (owner process gone, or no heartbeat "
                          "answer within peer_timeout_s)")
@@ -315,8 +323,9 @@ class Connection:
 
     # -- liveness -------------------------------------------------------------------------------------------
     def watch(self) -> str | None:
-        """Drain the monitor without blocking; returns why the connection is lost, or None."""
-        while self.link.lost is None:
+        """Drain the monitor without blocking (all of it, lost or not); returns why the connection is lost, or
+        None."""
+        while True:
             try:
                 self.link.feed(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
