@@ -321,3 +321,19 @@ def test_a_handle_taken_while_reverse_reads_are_off_is_released(loop: LoopThread
         assert wait_until(lambda: d.decodes[0].stats.released == [first["kvshuttle_handle_id"]])
     finally:
         d.close()
+
+
+def test_a_read_found_by_content_without_a_handle_counts_as_a_reverse_read(loop: LoopThread) -> None:
+    """A prefill with a content index reads back a retained history the router sent no handle for (here a first
+    turn: another router's, or a lost key's): the prefill reports the tokens it read, and the turn is a reverse
+    read, not a recompute."""
+    d = deploy(loop)
+    try:
+        d.prefills[0].content_read_tokens = 64
+        _turns(_chat(d, "c"), 1, stream=False)
+        assert not prefill_handles(d.prefills[0])[0].get("remote_block_ids")  # no handle was sent
+        assert d.metric("kvshuttle_router_placements_total", choice="reverse_read") == 1
+        assert d.metric("kvshuttle_router_placements_total", choice="recompute") == 0
+        assert d.metric("kvshuttle_router_read_tokens_total") == 64
+    finally:
+        d.close()

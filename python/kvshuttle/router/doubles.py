@@ -101,6 +101,7 @@ class FakeVllm:
         self.codec = codec
         self.prompt_ids: list[list[int]] = []  # with a codec: each chat request's prompt, as the engine saw it
         self.read_tokens: int | None = None  # prefill: what it reports reading back for a handle (None: 3 blocks)
+        self.content_read_tokens = 0  # prefill: what it reports reading with no handle (found in a content index)
         self.read_mode: ReadMode = DEFAULT_READ_MODE  # decode: the read mode its handles name (kvshuttle_reads)
         self.prewarms: list[dict[str, Any]] = []  # bodies of pre-warm requests (add_generation_prompt false)
         self.prewarm_gate: asyncio.Event | None = None  # set: pre-warms wait for it
@@ -245,7 +246,8 @@ class FakeVllm:
             prefilled = self._prefill_params(conv, request)
             if self.connector == "kvshuttle":  # as kvshuttle's connector reports what it read back
                 read = 3 * BLOCK_SIZE if self.read_tokens is None else self.read_tokens
-                prefilled["kvshuttle_read_tokens"] = read if params.get("remote_block_ids") else 0
+                found = self.content_read_tokens
+                prefilled["kvshuttle_read_tokens"] = read if params.get("remote_block_ids") else found
             return self._answer(request, body, "x", prefilled)
         out = self._decode_params(conv, request)
         if body.get("stream"):

@@ -94,7 +94,8 @@ class Prefills:
             if not isinstance(params, dict) or not params:
                 params = None
             # kvshuttle's prefill says how many tokens it read back (none: its own cache held them, or too few
-            # to pay); vLLM's NixlConnector does not, so a handle sent counts as a reverse read there
+            # to pay), with or without a handle (one found in its content index); vLLM's NixlConnector does not,
+            # so a handle sent counts as a reverse read there
             read = params.get("kvshuttle_read_tokens") if params is not None else None
             sent = bool(request["kv_transfer_params"].get("remote_block_ids"))
             if type(read) is int and 0 <= read < 1 << 31:
@@ -103,7 +104,7 @@ class Prefills:
                     # its own cache held the history (or too little was left to pay): the handle was not used,
                     # and the decode's next handle supersedes it; the decode need not hold it to its TTL
                     self._releases.later(entry)
-                sent = sent and read > 0
+                sent = read > 0
             turn.placement = "reverse_read" if sent else "recompute"
             return params, None
         return None, None  # no prefill answered: the decode computes the whole prompt (recompute)
