@@ -201,20 +201,24 @@ def _read_slices(reader: RankedFetch, decision: Decision, local_ids: npt.NDArray
                  started: list[tuple[int, TransferHandle | LayeredTransfer]]) -> TransferTelemetry:
     """Start every slice's read (each appended to ``started``), then wait for all; _RankFailed names the first
     rank whose read failed. With ``progress``, a slice that can be read directly is read layer by layer, and
-    each layer is reported once it has landed from every slice (a slice that cannot, a head slice, lands whole)."""
+    each layer is reported once it has landed from every slice (a slice that cannot, a head slice or a claim in the
+    owner's host tier, lands whole)."""
     local_heads = reader.engine.cache.geometry.num_heads
     with contextlib.ExitStack() as running:  # a failure releases (cancels) every read still in flight
         for s in slices:
-            peer = peers[s.owner_rank]
+            peer, ticket = peers[s.owner_rank], tickets[s.owner_rank]
             whole = s.num_heads == local_heads == peer.info.cache.num_heads
+            # A claim in the owner's tier is packed from there: never direct, nor layer by layer (a read that
+            # cannot be packed fails here and recomputes; a direct one would be refused at confirmation).
+            direct_ok = whole and not ticket.packed_only
             try:
                 layered = _layered_read(reader, peer, local_ids, decision, deadline) \
-                    if progress is not None and whole else None
+                    if progress is not None and direct_ok else None
                 transfer: TransferHandle | LayeredTransfer = layered if layered is not None else reader.engine.read(
                     peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
-                    path=reader.path if whole else "packed", timeout=time_left(deadline), num_heads=s.num_heads,
+                    path=reader.path if direct_ok else "packed", timeout=time_left(deadline), num_heads=s.num_heads,
                     local_head_offset=s.reader_head_offset, remote_head_offset=s.owner_head_offset,
-                    claim=tickets[s.owner_rank])
+                    claim=ticket)
             except TransferError as exc:
                 raise _RankFailed(s.owner_rank, _shown_address(addresses[s.owner_rank]), exc) from exc
             running.enter_context(transfer)

@@ -194,8 +194,10 @@ class ReaderRole(Endpoint):
         faster for reads of this shape (:mod:`.path_model`; ``handle.path`` and ``telemetry.reason`` say which
         and why). ``notify`` is delivered to the owner
         with the completion notification. ``claim``: the claim covering ``remote_ids`` (an owner that keeps a
-        retention ledger packs only claimed blocks). Every argument is checked before anything is posted: a bad one
-        raises a named error (``TransferArgumentError``, ``BlockRangeError``...) and nothing is written.
+        retention ledger packs only claimed blocks); a claim in a tier (``claim.packed_only``) is read packed, and
+        ``path="direct"`` is refused for it (IncompatiblePeerError). Every argument is checked before anything is
+        posted: a bad one raises a named error (``TransferArgumentError``, ``BlockRangeError``...) and nothing is
+        written.
         """
         started = time.perf_counter()
         self._check_open()
@@ -207,6 +209,11 @@ class ReaderRole(Endpoint):
         if claim is not None and not isinstance(claim, ClaimTicket):
             raise TransferArgumentError(f"claim must be a ClaimTicket, got {type(claim).__name__}",
                                         _loose_ids(local_ids))
+        if claim is not None and claim.packed_only:  # in a tier: the owner packs it from there, never direct
+            if path == "direct":
+                raise IncompatiblePeerError(f"the claimed blocks are in the owner's {claim.tier} tier, which only a "
+                                            "packed read reads (path='packed' or 'auto')", _loose_ids(local_ids))
+            path = "packed"
         wait = _timeout_arg(timeout, self.config.transfer_timeout_s)
         lids, rids, tokens = self._check_read_ids(peer, local_ids, remote_ids, num_tokens)
         g, rc = self.cache.geometry, peer.info.cache

@@ -353,7 +353,8 @@ class VllmEngine:
 
     def kv_usage(self) -> dict[str, float | None]:
         """After one filler step: ``kv_cache_usage_perc`` (vLLM's, 1 - free/total blocks) and
-        ``kvshuttle_retained_blocks`` (the connector's gauge; None without kvshuttle)."""
+        ``kvshuttle_retained_blocks`` (the connector's gauge; None without kvshuttle) and the host tier's
+        ``kvshuttle_tier_blocks``, ``_bytes``, ``_demotions``, ``_reads``, ``_misses`` (None without a tier)."""
         result: dict[str, float | None] = self._call({"op": "kv_usage"}, 60.0, what="kv_usage")
         return result
 

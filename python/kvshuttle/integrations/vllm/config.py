@@ -14,6 +14,7 @@ from ..._values import is_int
 from ...errors import KVShuttleError, shown
 from ...policy import PolicyConfig
 from ...retention.errors import RetentionArgumentError
+from ...retention.eviction import EVICTION_POLICIES
 from ...retention.terms import (
     DEFAULT_BUDGET_FRACTION,
     DEFAULT_MAX_TTL_S,
@@ -27,6 +28,7 @@ from ...retention.terms import (
     Retain,
     RetentionTerms,
 )
+from ...retention.tiers import DEFAULT_TIER_TTL_S, TierTerms
 from ...transfer.config import PATHS, Path
 from ...trust import DeploymentSecret
 
@@ -83,6 +85,12 @@ class ShuttleConfig:
     content_index: str | None = field(default=None, repr=False)  # (a URL may hold a password)
     # kvshuttle_content_index_wait_s: the longest a request waits for its lookup before it recomputes
     content_index_wait_s: float = 0.1
+    # kvshuttle_host_tier_blocks: host-memory slots (one KV block each) a retention is demoted into when its hot
+    # TTL ends or the budget evicts it, instead of ending (0: no host tier); kvshuttle_host_tier_ttl_s: its life
+    # there from the demotion; kvshuttle_host_tier_eviction: the tier's own eviction order when it is full
+    host_tier_blocks: int = 0
+    host_tier_ttl_s: float = DEFAULT_TIER_TTL_S
+    host_tier_eviction: str = "lru"
 
     def deployment_secret(self) -> DeploymentSecret:
         """The secret both sides authenticate with (TrustError names what is wrong)."""
@@ -99,7 +107,13 @@ class ShuttleConfig:
         """The decode's retention terms (a prefill's forward retentions are use-once for ``prefill_ttl_s``)."""
         return RetentionTerms(ttl_s=self.decode_ttl_s, max_ttl_s=self.max_ttl_s, read_mode=self.reads,
                               budget_blocks=self.budget_blocks, budget_fraction=self.budget_fraction,
-                              retain=self.retain)
+                              retain=self.retain, tier=self.tier_terms())
+
+    def tier_terms(self) -> TierTerms | None:
+        """The host tier's terms (None: no host tier)."""
+        if not self.host_tier_blocks:
+            return None
+        return TierTerms(self.host_tier_blocks, self.host_tier_ttl_s, self.host_tier_eviction)
 
     def retention_budget(self, num_blocks: int) -> int:
         """The most blocks the worker's ledger keeps, for an engine with ``num_blocks`` KV blocks."""
@@ -116,7 +130,8 @@ class ShuttleConfig:
                  "kvshuttle_max_ttl_s", "kvshuttle_advertise_host", "kvshuttle_max_concurrent_loads",
                  "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s",
                  "kvshuttle_load_mode", "kvshuttle_layered_timeout_s", "kvshuttle_transfer_cpus",
-                 "kvshuttle_content_index", "kvshuttle_content_index_wait_s"}
+                 "kvshuttle_content_index", "kvshuttle_content_index_wait_s", "kvshuttle_host_tier_blocks",
+                 "kvshuttle_host_tier_ttl_s", "kvshuttle_host_tier_eviction"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
@@ -161,6 +176,9 @@ class ShuttleConfig:
             allowed_owners=_owners(extra.get("kvshuttle_allowed_owners")),
             content_index=_index_url(extra),
             content_index_wait_s=_seconds(extra, "kvshuttle_content_index_wait_s", 0.1),
+            host_tier_blocks=_int(extra, "kvshuttle_host_tier_blocks", 0, minimum=0),
+            host_tier_ttl_s=_seconds(extra, "kvshuttle_host_tier_ttl_s", DEFAULT_TIER_TTL_S),
+            host_tier_eviction=_choice(extra, "kvshuttle_host_tier_eviction", "lru", tuple(sorted(EVICTION_POLICIES))),
         )
         try:
             config.policy()

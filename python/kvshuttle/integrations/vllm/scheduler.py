@@ -67,11 +67,15 @@ class ShuttleScheduler:
         # What this cache's bytes mean: named in every handle issued here, and a handle naming another is refused.
         self.cache_dtype = cache_dtype
         self.policy = replace(config.policy(), cache_dtype=cache_dtype)
+        self._terms = config.terms()
         self.secret = secret if secret is not None else config.deployment_secret()
         self._grants = GrantBook(self.secret)  # grants checked at arrival, each good for one request
         self._ranks: tuple[ShuttleHandshake, ...] = ()  # every rank's side channel, once all reported
         self._releases: list[str] = []  # retentions that ended on some rank: end them on every rank
         self._ending: set[str] = set()  # of the held requests, those every rank was told to end
+        # TP > 1 with a host tier: requests whose blocks vLLM freed while their retention may live on in the tier
+        # (a demotion landed on every rank); one rank's end of it is still every rank's
+        self._tiered: set[str] = set()
         # request -> (local hit, decision, handle, layered), awaiting its allocation
         self._decisions: dict[str, tuple[int, Decision, KVHandle, bool]] = {}
         self._loads: list[LoadJob] = []
@@ -317,7 +321,8 @@ class ShuttleScheduler:
             self._held.add(request_id)
             self._count("retained")
             if self.lookups is not None and out is not None and out.get("do_remote_decode"):
-                self.lookups.publish(self._scope(request), job.digests, job.num_tokens, out, time.time() + job.ttl_s)
+                self.lookups.publish(self._scope(request), job.digests, job.num_tokens, out,
+                                     time.time() + self._terms.handle_ttl(job.ttl_s))
                 self._indexed[request_id] = job.handle_id
         if publication is not None:
             self._publications.append(publication)
@@ -382,14 +387,15 @@ class ShuttleScheduler:
         if tokens <= 0 or len(table) != blocks_for_tokens(tokens, self.block_size):
             return None, None
         ttl = self.config.prefill_ttl_s if prefill else self.config.decode_ttl_s
+        life = self._terms.handle_ttl(ttl)  # with a host tier: the hot TTL and then the tier's (demotions.py)
         now = time.time()
         digests = tuple(block_digests(list(request.all_token_ids[:tokens]), self.block_size,
                                       extra_key=self._salted(request).extra_key))
         ranks = tuple(r.address for r in self._ranks) if self.tp_size > 1 else ()
         once = prefill or self.config.reads == "use_once"  # a prompt is read by its one decode
         handle = KVHandle(self.engine_id, request.request_id, self.address.host, self.address.port, tuple(table),
-                          tokens, now + ttl, self.tp_size, secrets.token_urlsafe(18), 0, self.block_size, digests,
-                          now, ttl, ranks, self.cache_dtype, "use_once" if once else "multi_read")
+                          tokens, now + life, self.tp_size, secrets.token_urlsafe(18), 0, self.block_size, digests,
+                          now, life, ranks, self.cache_dtype, "use_once" if once else "multi_read")
         job = RetainJob(request.request_id, handle.handle_id, handle.block_ids, digests, tokens, self.block_size,
                         ttl, once, ranks, self.cache_dtype)
         out = handle.to_kv_transfer_params(self.secret)  # fresh: the request's grant is never echoed
@@ -414,10 +420,14 @@ class ShuttleScheduler:
         ``invalid_block_ids``, what the prefix-cache guard needs to release or drop their blocks)."""
         if self.sync_loads is not None:
             self.sync_loads.settle(landed, invalid_block_ids)
-        if self.tp_size > 1 and ended:  # not those freed in this very report (every rank's TTL sweep at once)
-            news = sorted((set(ended) & (self._held - set(finished_sending or ()))) - self._ending)
+        ends = set(ended or ())
+        if self.tp_size > 1 and ends:  # not those freed in this very report (every rank's TTL sweep at once)
+            news = sorted((ends & (self._held - set(finished_sending or ()))) - self._ending)
             self._releases.extend(news)
             self._ending.update(news)
+            tiered = sorted(ends & self._tiered)  # ended on some rank's tier: every rank ends it
+            self._releases.extend(tiered)
+            self._tiered.difference_update(tiered)
         sending, recving = set(finished_sending or ()), set(finished_recving or ())
         stray = (sending - self._held) | (recving - self._awaiting)
         if stray:
@@ -431,6 +441,8 @@ class ShuttleScheduler:
                 handle_id = self._indexed.pop(request_id, None)
                 if handle_id is not None:
                     self.lookups.withdraw(handle_id)
+        if self.tp_size > 1 and self._terms.tier is not None:  # freed by a landing, not an end: may live on
+            self._tiered.update((sending & self._held) - self._ending - ends)
         self._held -= sending
         self._ending -= sending
         self._awaiting -= recving
@@ -447,7 +459,7 @@ class ShuttleScheduler:
         return {"decisions": len(self._decisions), "loads": len(self._loads), "retains": len(self._retains),
                 "publications": len(self._publications), "held": len(self._held), "reads": len(self._reads),
                 "awaiting": len(self._awaiting), "releases": len(self._releases),
-                "ending": len(self._ending), "sync_loads": len(self.sync_loads or ())}
+                "ending": len(self._ending), "sync_loads": len(self.sync_loads or ()), "tiered": len(self._tiered)}
 
     def take_stats(self) -> ShuttleStats:
         """Decisions counted since the last call (vLLM merges them with the worker's)."""

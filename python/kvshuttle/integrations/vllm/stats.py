@@ -11,6 +11,21 @@ from ...reuse import ReuseResult
 from .compat import KVConnectorPromMetrics, KVConnectorStats
 
 GAUGES = ("retained_blocks", "retained_bytes", "live_handles")  # the latest value wins, not the sum
+# A retention tier's numbers (``tier.<name>.<what>``, the worker's ledger's ``metrics()["tiers"]``): these are
+# gauges, the others (demotions, reads, misses, ...) counters of what happened since the last stats
+TIER_GAUGES = ("blocks", "bytes", "capacity_blocks", "live_handles")
+TIER_COUNTERS = ("demotions", "reads", "misses")  # exported as Prometheus counters (the rest: log line only)
+
+
+def is_gauge(key: str) -> bool:
+    """Whether ``key`` is a gauge (the latest report wins) rather than a counter (reports add up)."""
+    return key in GAUGES or (key.startswith("tier.") and key.rpartition(".")[2] in TIER_GAUGES)
+
+
+def tier_values(data: dict[str, Any], what: str) -> dict[str, Any]:
+    """``{tier name: value}`` of ``tier.<name>.<what>`` in ``data``."""
+    return {key[5:-len(what) - 1]: value for key, value in data.items()
+            if key.startswith("tier.") and key.endswith("." + what) and key.count(".") == 2}
 
 
 @dataclass
@@ -23,7 +38,7 @@ class ShuttleStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = value if key in GAUGES else self.data.get(key, 0) + value
+            self.data[key] = value if is_gauge(key) else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -68,6 +83,19 @@ class ShuttlePromMetrics(KVConnectorPromMetrics):
                               labelnames=labelnames)
         self._retained = gauge(name="vllm:kvshuttle_retained_blocks", documentation="Blocks kept for readers",
                                labelnames=labelnames, multiprocess_mode="mostrecent")
+        tiered = [*labelnames, "tier"]
+        self._tier_gauges = {
+            "blocks": gauge(name="vllm:kvshuttle_tier_blocks", documentation="Blocks a retention tier (host "
+                            "memory) holds for readers", labelnames=tiered, multiprocess_mode="mostrecent"),
+            "bytes": gauge(name="vllm:kvshuttle_tier_bytes", documentation="Bytes a retention tier holds",
+                           labelnames=tiered, multiprocess_mode="mostrecent")}
+        self._tier_counters = {
+            "demotions": counter(name="vllm:kvshuttle_tier_demotions", documentation="Retentions moved into a tier "
+                                 "instead of ending (hot TTL or budget eviction)", labelnames=tiered),
+            "reads": counter(name="vllm:kvshuttle_tier_reads", documentation="Reads served from a tier",
+                             labelnames=tiered),
+            "misses": counter(name="vllm:kvshuttle_tier_misses", documentation="Claims refused for a tier reason "
+                              "(evicted from it, expired in it, no room to demote)", labelnames=tiered)}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -78,3 +106,9 @@ class ShuttlePromMetrics(KVConnectorPromMetrics):
         self._bytes.labels(*labels).inc(transfer_stats_data.get("bytes_read", 0))
         if "retained_blocks" in transfer_stats_data:
             self._retained.labels(*labels).set(transfer_stats_data["retained_blocks"])
+        for what, metric in self._tier_gauges.items():
+            for tier, value in tier_values(transfer_stats_data, what).items():
+                metric.labels(*labels, tier).set(value)
+        for what, counted in self._tier_counters.items():
+            for tier, value in tier_values(transfer_stats_data, what).items():
+                counted.labels(*labels, tier).inc(value)

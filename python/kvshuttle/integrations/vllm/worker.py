@@ -30,6 +30,7 @@ from ...policy.kv_handle import PREFIX
 from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
 from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
+from ...transfer.host_tier import HostTier
 from ...trust import DeploymentSecret
 from .config import ConnectorConfigError, ShuttleConfig
 from .cpu_pinning import check_cpus, pin, thread_ids
@@ -72,6 +73,13 @@ class ShuttleWorker:
         self.layered = LayeredLoads({}, 0)  # this step's layer-pipelined loads (layered.py)
         self._retained: dict[str, str] = {}  # request -> handle id: its RetainJob came here, not reported yet
         self._ended: set[str] = set()  # retentions that ended here since the last worker_meta (TP > 1)
+        # Host tier: a retention's hot blocks go back (on_release, reported in finished_sending) when its demotion
+        # lands, while it lives on in the tier until it ends (on_end). Reported requests still live there -> handle
+        # id (what a release from another rank names); ended ones not reported yet.
+        self._tiered: dict[str, str] = {}
+        self._over: set[str] = set()
+        self.tier: HostTier | None = None
+        self._tier_counts: dict[str, int] = {}  # the tier's counters as last reported (stats carry the increase)
         self._landed: set[str] = set()  # layered loads settled whole since the last worker_meta
         self._released: set[str] = set()  # of those, the ones whose retention ended
         self._seen_finished: set[str] = set()  # of those, the ones vLLM named finished (a report needs both)
@@ -103,19 +111,23 @@ class ShuttleWorker:
         if problem:
             raise ConnectorConfigError(f"kvshuttle_transfer_cpus: {problem}")
         before = thread_ids()
+        terms = c.terms()
+        self.tier = HostTier(cache, terms.tier.capacity_blocks) if terms.tier is not None else None
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s,
-                                                         peer_timeout_s=c.peer_timeout_s, secret=self.secret))
+                                                         peer_timeout_s=c.peer_timeout_s, secret=self.secret),
+                                     tier=self.tier)
         self._transfer_tids = thread_ids() - before
         self._pin_transfer_threads(loader=False)  # (never this thread: it is the engine's)
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         g = cache.geometry
         budget = c.retention_budget(g.num_blocks)
-        self.ledger = RetentionLedger(self.engine_id, c.advertise_host or host, int(port), ttl_s=c.decode_ttl_s,
-                                      mode=c.reads, budget_blocks=budget, max_ttl_s=c.max_ttl_s,
-                                      bytes_per_block=g.block_size * g.bytes_per_token, on_release=self._on_release)
+        self.ledger = RetentionLedger(self.engine_id, c.advertise_host or host, int(port), terms=terms,
+                                      budget_blocks=budget, bytes_per_block=g.block_size * g.bytes_per_token,
+                                      on_release=self._on_release, on_end=self._on_end,
+                                      on_demote=self.tier.demote if self.tier is not None else None)
         self.engine.claims = self.ledger
         self.engine.board = self.board
         self.layered = LayeredLoads(vllm_layer_index(kv_caches), g.num_layers)
@@ -123,8 +135,9 @@ class ShuttleWorker:
                                   allowed_owners=c.allowed_owners, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                   num_kv_heads=self.num_kv_heads)
         log.info("kvshuttle: rank %d of TP=%d serving %s on %s; retention budget %d of %d blocks, up to %d loads at "
-                 "once", self.tp_rank, self.tp_size, g.describe(), address, budget, g.num_blocks,
-                 c.max_concurrent_loads)
+                 "once%s", self.tp_rank, self.tp_size, g.describe(), address, budget, g.num_blocks,
+                 c.max_concurrent_loads, "" if self.tier is None else
+                 f"; host tier of {self.tier.capacity_blocks} blocks ({self.tier.nbytes / 2**20:.1f} MiB)")
 
     def handshake(self) -> ShuttleHandshake | None:
         if self.ledger is None:
@@ -205,7 +218,11 @@ class ShuttleWorker:
             self._released -= sending
             self._seen_finished -= sending
             for request_id in sending:
-                del self._retained[request_id]
+                handle_id = self._retained.pop(request_id)
+                if request_id in self._over:  # ended: nothing of it is left
+                    self._over.discard(request_id)
+                elif self.tier is not None:  # its demotion landed: it lives on in the tier
+                    self._tiered[request_id] = handle_id
             # a load whose read NIXL could not cancel stays unreported (its blocks quarantined) until it is over
             done = {rid for rid, (future, _) in self._loading.items() if _settled(future)}
             for request_id in done:
@@ -228,7 +245,19 @@ class ShuttleWorker:
         if self.ledger is not None:
             metrics = self.ledger.metrics()
             stats.data.update({k: metrics[k] for k in ("retained_blocks", "retained_bytes", "live_handles")})
+            for name, tier in metrics.get("tiers", {}).items():
+                stats.data.update(self._tier_stats(name, tier))
         return stats
+
+    def _tier_stats(self, name: str, tier: dict[str, int]) -> dict[str, int]:
+        """A tier's gauges (``tier.<name>.blocks``/``bytes``) and its counters' increase since the last stats
+        (``tier.<name>.demotions``/``reads``/``misses``/...): the stats path sums counters across reports."""
+        out = {f"tier.{name}.{k}": tier[k] for k in ("blocks", "bytes", "capacity_blocks", "live_handles")}
+        for key in ("demotions", "reads", "misses", "evictions", "expirations", "full", "failed_copies"):
+            full = f"tier.{name}.{key}"
+            out[full] = tier[key] - self._tier_counts.get(full, 0)
+            self._tier_counts[full] = tier[key]
+        return out
 
     def load_errors(self) -> set[int]:
         self.settle_layered()
@@ -242,7 +271,7 @@ class ShuttleWorker:
             return {"loading": len(self._loading), "failed": len(self._failed), "retained": len(self._retained),
                     "released": len(self._released), "seen_finished": len(self._seen_finished),
                     "unmatched": len(self._unmatched), "load_errors": len(self._load_errors),
-                    "landed": len(self._landed)}
+                    "landed": len(self._landed), "tiered": len(self._tiered), "over": len(self._over)}
 
     def release_cache(self) -> None:
         """The KV cache is about to be released or remapped (vLLM 0.33's sleep or a discard): nothing it holds may
@@ -285,6 +314,7 @@ class ShuttleWorker:
             log.info("kvshuttle: request %s not retained: %s", job.request_id, exc)
         except Exception as exc:  # never the engine: the blocks go back to vLLM at once
             log.warning("kvshuttle: request %s not retained: %r", job.request_id, exc)
+        self._on_end(job.request_id)  # (other ranks end theirs)
         self._on_release(job.request_id)
         return False
 
@@ -375,7 +405,7 @@ class ShuttleWorker:
 
     def _release(self, request_id: str) -> None:
         with self._lock:
-            handle_id = self._retained.get(request_id)
+            handle_id = self._retained.get(request_id) or self._tiered.get(request_id)
         if handle_id is None or self.ledger is None:
             return
         try:
@@ -398,11 +428,22 @@ class ShuttleWorker:
                 self._stats.data["board.unclaimed_released"] = self._stats.data.get("board.unclaimed_released", 0) + 1
 
     def _on_release(self, request_id: str) -> None:
+        """The retention's hot blocks went back (it ended, or its demotion landed): vLLM may free them."""
         with self._lock:
             if request_id in self._retained:
                 self._released.add(request_id)
-                if self.tp_size > 1:
-                    self._ended.add(request_id)
+
+    def _on_end(self, request_id: str) -> None:
+        """The retention ended on every tier of this rank: at TP > 1 every rank ends it (worker_meta). Not when
+        only its hot blocks went back: that would end a demoted retention on every rank."""
+        with self._lock:
+            tiered = self._tiered.pop(request_id, None) is not None
+            if request_id in self._retained:
+                self._over.add(request_id)
+            elif not tiered:
+                return
+            if self.tp_size > 1:
+                self._ended.add(request_id)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

