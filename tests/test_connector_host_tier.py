@@ -174,7 +174,16 @@ def test_a_tier_claim_is_read_back_packed_by_a_reader_that_prefers_direct(worker
     assert w.take_stats().data["tier.host.reads"] == 1
 
 
-def test_the_reader_role_reads_a_tier_claim_packed_and_refuses_a_direct_read_of_it(workers: Any) -> None:
+def test_a_host_tier_on_a_gpu_cache_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvshuttle.core.layout import PagedKVCache
+
+    monkeypatch.setattr(PagedKVCache, "is_cuda", property(lambda self: True))
+    with pytest.raises(ConnectorConfigError, match="kvshuttle_host_tier_blocks"):
+        worker("gpu", 7, **TIER)
+
+
+def test_the_reader_role_reads_a_tier_claim_packed_and_refuses_a_direct_read_of_it(
+        workers: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvshuttle.transfer import IncompatiblePeerError
 
     w, owner = workers("owner", 5, **TIER)
@@ -186,11 +195,14 @@ def test_the_reader_role_reads_a_tier_claim_packed_and_refuses_a_direct_read_of_
     peer = r.engine.connect(w.engine.address or "")
     ticket = r.engine.claim(peer, handle, 2)
     assert ticket.tier == "host" and ticket.packed_only
+    recorded: list[Any] = []
+    monkeypatch.setattr(peer.path_model, "record", lambda *args: recorded.append(args))
     with pytest.raises(IncompatiblePeerError, match="host tier"):
         r.engine.read(peer, [10, 11], [3, 4], path="direct", claim=ticket)
     for path in ("auto", "packed"):
         with r.engine.read(peer, [10, 11], [3, 4], path=path, claim=ticket) as read:
             assert read.wait(10).path == "packed"
+    assert recorded == []  # forced reads teach the path model nothing about the hot cache
     r.engine.finish_claim(peer, ticket, ok=True)  # confirmed: a direct read would be refused here
     for layer in range(owner.geo.num_layers):
         assert np.array_equal(mine.canonical(layer)[:, [10, 11]], owner.canonical(layer)[:, [3, 4]])

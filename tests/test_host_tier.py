@@ -229,8 +229,13 @@ def test_a_direct_read_of_a_tier_claim_is_not_confirmed(owner: TierOwner, reader
     handle = retain(owner, "direct", [9, 4, 12], 48, "direct")
     owner.call("demote", name="direct", handle_id=handle.handle_id)
     owner.call("wait_landed", name="direct")
+    from kvshuttle.transfer import IncompatiblePeerError
+
     ticket = reader.engine.claim(reader.peer, handle)
-    reader.engine.read(reader.peer, [0, 1, 2], list(ticket.block_ids), path="direct", claim=ticket).wait(20)
+    with pytest.raises(IncompatiblePeerError, match="host tier"):  # this reader knows: the ticket says the tier
+        reader.engine.read(reader.peer, [0, 1, 2], list(ticket.block_ids), path="direct", claim=ticket)
+    # one that does not look at the ticket (an older reader) reads the hot blocks direct: the owner refuses it
+    reader.engine.read(reader.peer, [0, 1, 2], list(ticket.block_ids), path="direct").wait(20)
     with pytest.raises(ClaimRefusedError) as refused:  # it read the reused hot blocks: discard
         reader.engine.finish_claim(reader.peer, ticket, ok=True)
     assert refused.value.reason == "StaleHandleError"

@@ -237,7 +237,8 @@ class ReaderRole(Endpoint):
         sliced = heads != g.num_heads or heads != rc.num_heads
         difference = peer.layout_difference or (f"head slice of {heads}" if sliced else None)
         chosen, reason, plan = self._choose_path(peer, lids, rids, path, difference)
-        observer = self._observer(peer, lids, rids, sliced)
+        # a tier read is packed whatever the path model says: it teaches the model nothing about the hot cache
+        observer = None if claim is not None and claim.packed_only else self._observer(peer, lids, rids, sliced)
         if chosen == "direct":
             handle: TransferHandle = self._read_direct(peer, transfer_id, lids, rids, plan, reason, notify,
                                                        deadline, started, on_done=observer)
