@@ -130,6 +130,8 @@ def test_past_its_hot_ttl_a_retention_lands_in_the_tier_and_vllm_frees_its_block
     assert (again["tier.host.blocks"], again["tier.host.demotions"], again["tier.host.reads"]) == (2, 0, 0)
     assert w.ledger.release("h-a")
     assert w.state_sizes()["tiered"] == 0 and w.take_stats().data["tier.host.blocks"] == 0
+    meta = w.worker_meta()  # its end, even at TP = 1: the scheduler's content index withdraws it only then
+    assert meta is not None and meta.ended == {"req-a"}, meta
     assert no_state(w.state_sizes())
 
 

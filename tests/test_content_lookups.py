@@ -25,8 +25,8 @@ def lookups(table: MemoryTable, **kwargs: Any) -> ContentLookups:
                           make_publisher=lambda address: MemoryContentIndex(SECRET, address, table=table), **kwargs)
 
 
-def engine(table: MemoryTable, port: int, **kwargs: Any) -> ShuttleScheduler:
-    config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True}, model="m")
+def engine(table: MemoryTable, port: int, extra: dict[str, Any] | None = None, **kwargs: Any) -> ShuttleScheduler:
+    config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, **(extra or {})}, model="m")
     s = ShuttleScheduler(config, f"eng-{port}", BS, secret=SECRET, cache_dtype="bfloat16")
     s.lookups = lookups(table, **kwargs)
     s.address = ShuttleHandshake("127.0.0.1", port)
@@ -132,6 +132,24 @@ def test_an_ended_retention_is_withdrawn_and_no_longer_found() -> None:
     decode.update_connector_output({"d1"}, None)  # the worker freed its blocks: the retention ended
     until(lambda: decode.lookups is not None and decode.lookups._queued == 0)
     assert ask(prefill, request("p", [*history, 1], None)) == (0, False)
+
+
+def test_a_retention_demoted_to_the_host_tier_stays_found_until_it_ends() -> None:
+    """With a host tier, the worker reports a retention's blocks free when its demotion lands (``finished_sending``)
+    while the tier serves it under the same handle: the index keeps it until the retention ends (``ended``)."""
+    table = MemoryTable()
+    decode = engine(table, 5751, {"kvshuttle_host_tier_blocks": 64})
+    prefill = engine(table, 5752)
+    history = words(300)
+    params = finish_decode(decode, "d1", history)
+    assert params["remote_blocks_expiry_time"] > time.time() + 1800  # hot TTL + the tier's: the index entry too
+    decode.update_connector_output({"d1"}, None)  # the demotion landed: vLLM frees the hot blocks
+    until(lambda: decode.lookups is not None and decode.lookups._queued == 0)
+    assert ask(prefill, request("p1", [*history, 1], None)) == (299, True)
+    decode.update_connector_output(None, None, ended={"d1"})  # the tier ended it
+    until(lambda: decode.lookups is not None and decode.lookups._queued == 0)
+    assert ask(prefill, request("p2", [*history, 1], None)) == (0, False)
+    assert decode.state_sizes()["held"] == 0
 
 
 def test_without_an_index_or_bidirectional_nothing_is_looked_up() -> None:

@@ -437,7 +437,10 @@ class ShuttleScheduler:
         sending &= self._held
         recving &= self._awaiting
         if self.lookups is not None:  # retentions that ended: no lookup should find them any more
-            for request_id in sending:
+            tier = self._terms.tier is not None
+            for request_id in sending | ends:
+                if tier and request_id not in ends:  # its blocks went back as its demotion landed: the tier serves
+                    continue  # it under the same handle until it ends (the worker reports that in ``ended``)
                 handle_id = self._indexed.pop(request_id, None)
                 if handle_id is not None:
                     self.lookups.withdraw(handle_id)

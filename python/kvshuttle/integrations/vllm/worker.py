@@ -72,7 +72,7 @@ class ShuttleWorker:
         self._failed: dict[str, tuple[tuple[int, ...], bool]] = {}  # loads that never ran -> (blocks, layered)
         self.layered = LayeredLoads({}, 0)  # this step's layer-pipelined loads (layered.py)
         self._retained: dict[str, str] = {}  # request -> handle id: its RetainJob came here, not reported yet
-        self._ended: set[str] = set()  # retentions that ended here since the last worker_meta (TP > 1)
+        self._ended: set[str] = set()  # retentions that ended here since the last worker_meta (TP > 1, or a tier)
         # Host tier: a retention's hot blocks go back (on_release, reported in finished_sending) when its demotion
         # lands, while it lives on in the tier until it ends (on_end). Reported requests still live there -> handle
         # id (what a release from another rank names); ended ones not reported yet.
@@ -445,7 +445,7 @@ class ShuttleWorker:
                 self._over.add(request_id)
             elif not tiered:
                 return
-            if self.tp_size > 1:
+            if self.tp_size > 1 or self.tier is not None:  # (with a tier: the scheduler's index withdraws it)
                 self._ended.add(request_id)
 
     def _warn_once(self, key: str, message: str) -> None:
