@@ -297,7 +297,7 @@ def index(results: Results) -> Table:
     table = Table("index", "Content index lookups", ("stride", "retentions", "case", "keys asked",
                                                      "lookup p50 / p99 ms", "MGET / lookup (p50)",
                                                      "MGET / lookup (p99)"))
-    for name in ("vm5_index.json", "vm5_index_strides.json"):
+    for name in ("vm5_index.json", "vm5_index_repeat.json", "vm5_index_strides.json"):
         for i, row in enumerate(results.rows(name)):
             where = f"{name}: results[{i}]"
             if get(row, "case", where) == "publish":
