@@ -49,16 +49,14 @@ def wait_for_usage(decode: Any, usage: float, timeout_s: float) -> tuple[dict[st
         time.sleep(0.5)
 
 
-# Both engines are this case's alone, in the pool only to start early. The decode has a short TTL and a small budget
-# and is killed at the end. The prefill is not the shared one: sharing it, its read from this decode hung the
-# prefill's worker in CI (no answer in 180 s) after it had read from the kvshuttle cases' decode, since closed: a
-# bug to find (the session note), not hidden here for good.
+# The decode is this case's alone (a short TTL, a small budget; killed at the end). The prefill is the kvshuttle
+# cases' (prefix cache off), idle for minutes since they closed the decode it read from: the case that found a
+# reader's reconnects to a dead owner freezing its whole process (transfer/side_channel.py, RECONNECT_IVL).
 SPECS["decode_short_ttl"] = pd_role("decode", "decode_short_ttl", decode_config={
     "decoder_kv_blocks_ttl": TTL_S, "kvshuttle_retention_budget_blocks": BUDGET_BLOCKS})
-SPECS["prefill_retention"] = pd_role("prefill", "prefill_retention")
 
 
-@pytest.mark.shared_engines("prefill_retention", "decode_short_ttl")
+@pytest.mark.shared_engines("prefill_no_cache", "decode_short_ttl")
 def test_retention_ends_by_ttl_release_budget_and_a_dead_decode_costs_a_recompute(
         tmp_path: Path, shared_engines: Callable[..., list[Lease]]) -> None:  # noqa: F811
     from kvshuttle.bench.e2e.conversation import decode_params_for, prefill_params_for
