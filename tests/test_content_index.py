@@ -3,11 +3,13 @@ then what only one of them has (Redis down or slow, values written by someone el
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from kvshuttle.policy.digests import PromptDigests, block_digests
@@ -288,16 +290,22 @@ def test_redis_values_written_by_others_are_ignored(redis_server: Any) -> None:
     records = raw.keys("kvshuttle:ci:r:*")
     assert len(records) == 1
     good = raw.get(records[0])
-    for bad in (b"not json", b"[1, 2]", b'{"v": 1, "params": {}}', b"x" * (2 << 20),
-                good.replace(b'"scope":"', b'"scope":"0')):  # type: ignore[union-attr]
+    assert isinstance(good, bytes)
+    record = msgpack.unpackb(good)
+    foreign = msgpack.packb({**record, "scope": "0" + record["scope"]})
+    as_json = json.dumps({**record, "v": 1, "params": {**record["params"], "kvshuttle_digests": ""}}).encode()
+    deep = msgpack.packb({**record, "params": {**record["params"], "remote_block_ids": [[[[1]]]] * 10_000}})
+    for bad in (b"not msgpack \xc1", msgpack.packb([1, 2]), msgpack.packb({"v": 2, "params": {}}), b"x" * (2 << 20),
+                foreign, as_json, deep):
         raw.set(records[0], bad)
         assert p.lookup("t", digests) is None
-    raw.set(records[0], good)  # type: ignore[arg-type]
-    assert p.lookup("t", digests) is not None
+    raw.set(records[0], good)
+    found = p.lookup("t", digests)
+    assert found is not None and found.params == params("victim")  # every field as published
     for key in raw.keys("kvshuttle:ci:p:*"):
         raw.set(key, b"garbage|pointer")
     assert p.lookup("t", digests) is None
-    assert p.stats()["malformed"] == 5 and p.stats()["errors"] == 0
+    assert p.stats()["malformed"] == 7 and p.stats()["errors"] == 0
 
 
 def test_redis_skips_a_dead_incarnation_whose_records_survived(redis_server: Any) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
 import math
 import shutil
 import socket
@@ -35,7 +34,7 @@ import numpy as np
 from ..policy.kv_handle import KVHandle
 from ..retention.index import DEFAULT_STRIDE, positions
 from ..retention.index.redis_backend import RedisContentIndex
-from ..retention.index.scheme import lookup_positions
+from ..retention.index.scheme import encode_record, lookup_positions
 from ..trust import DeploymentSecret
 from .schema import envelope
 from .timing import speedups
@@ -138,7 +137,7 @@ def _run_stride(stride: int, url: str, args: argparse.Namespace, rng: np.random.
         blocks = int(sizes[conv])
         params = _handle_params(conv, blocks, expiry) if conv in full else _small_params(conv)
         if conv in full:
-            record_bytes[conv] = len(json.dumps(params, separators=(",", ":")))
+            record_bytes[conv] = len(encode_record("scope", "127.0.0.1:5600", "incarnation", expiry, params))
         t0 = time.perf_counter()
         if not decode.publish("tenant", Chain(conv, blocks), params, expiry):
             raise AssertionError(f"retention {conv} was not indexed")

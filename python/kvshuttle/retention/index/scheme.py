@@ -29,7 +29,6 @@ bytes.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,8 +45,10 @@ PURPOSE = "content-index"  # the deployment secret's key for this index: indepen
 # benchmarks/results/vm5_index_strides.json.
 DEFAULT_STRIDE = 64
 MAX_POSITIONS = 512  # digests asked per lookup or published per retention (a 1M-token prompt at stride 64: 983)
-MAX_RECORD_BYTES = 1 << 20  # one handle's params, JSON; a 70k-token handle is about 170 KB
-RECORD_VERSION = 1
+MAX_RECORD_BYTES = 1 << 20  # one handle's record (msgpack); a 70k-token handle's is about 60 KB
+MAX_RECORD_IDS = 1 << 18  # block ids one record may list (a 4M-token prompt of 16-token blocks)
+MAX_RECORD_CONTAINERS = 64  # lists and maps in one record (a handle has a handful)
+RECORD_VERSION = 2  # 2: msgpack with raw digests (1: JSON)
 Mode = Literal["m", "u"]  # multi-read, use-once (pointer encoding)
 
 
@@ -229,21 +230,50 @@ def check_publication(digests: Sequence[bytes], expiry_wall_s: float) -> None:
         raise IndexArgumentError(f"expiry_wall_s must be a finite wall-clock time, got {shown(expiry_wall_s)}")
 
 
+_DIGESTS = "kvshuttle_digests"  # the handle's one hex string of block digests: stored as raw bytes (half the size)
+
+
 def encode_record(scope_tag: str, publisher: str, incarnation: str, expiry_wall_s: float,
                   params: Mapping[str, Any]) -> bytes:
-    return json.dumps({"v": RECORD_VERSION, "scope": scope_tag, "pub": publisher, "inc": incarnation,
-                       "exp": float(expiry_wall_s), "params": dict(params)}, separators=(",", ":")).encode()
+    """One retention's record: msgpack, the digests as raw bytes. A hit reads and parses it on the admission path,
+    so it is kept small and cheap: a 70k-token handle's JSON was 161 KB and most of a lookup's time."""
+    import msgpack  # type: ignore[import-untyped]  # (the transfer extra, which the index's users install)
+
+    stored = dict(params)
+    digests = stored.get(_DIGESTS)
+    if isinstance(digests, str):
+        try:
+            raw = bytes.fromhex(digests)
+        except ValueError:
+            raw = None
+        if raw is not None and raw.hex() == digests:  # only where it comes back exactly (the handle is signed)
+            stored[_DIGESTS] = raw
+    data: bytes = msgpack.packb({"v": RECORD_VERSION, "scope": scope_tag, "pub": publisher, "inc": incarnation,
+                                 "exp": float(expiry_wall_s), "params": stored}, use_bin_type=True)
+    return data
 
 
 def decode_record(raw: Any, scope_tag: str, now: float,
                   max_bytes: int = MAX_RECORD_BYTES) -> tuple[dict[str, Any], str, str] | None:
     """A record's (params, publisher, incarnation) if it is well formed, of ``scope_tag``'s scope and not expired;
     None otherwise (a malformed, oversized, foreign or expired value is never served)."""
-    if not isinstance(raw, (bytes, str)) or len(raw) > max_bytes:
+    import msgpack
+
+    if not isinstance(raw, bytes) or len(raw) > max_bytes:
         return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
+    containers = [MAX_RECORD_CONTAINERS]
+
+    def counted(value: Any) -> Any:  # msgpack expands a 1-byte empty list into a 56-byte one: count them
+        containers[0] -= 1
+        if containers[0] < 0:
+            raise ValueError("too many lists and maps")
+        return value
+
+    try:  # bounded: a record is a few maps, one list of block ids and one digest string
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes,
+                               max_array_len=MAX_RECORD_IDS, max_map_len=64, max_ext_len=0, list_hook=counted,
+                               object_hook=counted)
+    except Exception:
         return None
     if not isinstance(data, dict) or data.get("v") != RECORD_VERSION or data.get("scope") != scope_tag:
         return None
@@ -252,6 +282,8 @@ def decode_record(raw: Any, scope_tag: str, now: float,
             and isinstance(exp, (int, float)) and not isinstance(exp, bool) and exp > now
             and isinstance(params.get("kvshuttle_handle_id"), str)):
         return None
+    if isinstance(params.get(_DIGESTS), bytes):
+        params[_DIGESTS] = params[_DIGESTS].hex()
     return params, pub, inc
 
 
