@@ -135,6 +135,26 @@ def test_past_its_hot_ttl_a_retention_lands_in_the_tier_and_vllm_frees_its_block
     assert no_state(w.state_sizes())
 
 
+def test_a_demotion_asked_on_the_side_channel_takes_the_ttls_path_through_the_worker(workers: Any) -> None:
+    """A router's ``demote_retention`` long before the hot TTL: the worker reports the request finished sending
+    once the copy landed (vLLM frees its blocks) and keeps it tiered under the same handle, as a TTL's demotion."""
+    from kvshuttle.transfer import demote_retention
+
+    w, _ = workers("asked", 5, decoder_kv_blocks_ttl=600, kvshuttle_host_tier_blocks=8)
+    assert w.ledger is not None
+    w.start(ShuttleMetadata(retains=[RetainJob("req-a", "h-a", (3, 4), DIGESTS, 64, BS, 600.0, False)]))
+    assert w.finished({"req-a"}) == (set(), set())  # held hot
+    handle = w.ledger.get("h-a")
+    assert handle is not None
+    assert demote_retention(handle.to_kv_transfer_params(SECRET), secret=SECRET) is True
+    assert until(lambda: w.finished(set())[0], bool) == {"req-a"}
+    metrics = w.ledger.metrics()
+    assert metrics["retained_blocks"] == 0 and metrics["tiers"]["host"]["blocks"] == 2
+    assert w.ledger.get("h-a") is not None and w.state_sizes()["tiered"] == 1
+    assert w.take_stats().data["tier.host.demotions"] == 1
+    assert w.ledger.release("h-a") and w.state_sizes()["tiered"] == 0
+
+
 def test_without_a_tier_the_hot_ttl_ends_the_retention(workers: Any) -> None:
     w, _ = workers("plain", 2, decoder_kv_blocks_ttl=HOT_TTL_S)
     assert w.tier is None and w.engine is not None and w.engine.tier is None and w.ledger is not None

@@ -36,7 +36,7 @@ GEOS = {
 }
 LIMITS = "limits"  # an engine of its own for the test that moves its clock on
 # Every test reads an engine of its own: a demotion reuses (scribbles) its hot blocks for good.
-ENGINES = {**GEOS, "direct": GEOS["flash_nhd"], "pinned": GEOS["flash_nhd"],
+ENGINES = {**GEOS, "direct": GEOS["flash_nhd"], "pinned": GEOS["flash_nhd"], "asked": GEOS["flash_nhd"],
            LIMITS: GEOS["flash_nhd"].with_(num_blocks=32)}
 
 
@@ -290,6 +290,96 @@ def test_full_evicted_and_expired_tier_retentions_are_refused_by_name(owner: Tie
         assert tier["misses"] == 3
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("reader", ["asked"], indirect=True)
+def test_a_demotion_asked_on_the_side_channel_frees_the_hot_blocks_and_the_tier_serves_reads(
+        owner: TierOwner, reader: Reader) -> None:
+    """``demote_retention``: a router's call (params authenticated, a connection per rank) and a reader's connected
+    peer ask the owner's ledger over the side channel; the same demotion as a TTL's: hot blocks back once copied."""
+    from kvshuttle.transfer import demote_retention
+    from kvshuttle.transfer.control import demote_on_ranks
+    from kvshuttle.trust import DeploymentSecret
+
+    secret = DeploymentSecret.resolve()  # the owner process's (EngineConfig's default)
+    handle = retain(owner, "asked", [3, 11, 6], 40, "asked")
+    assert demote_retention(handle.to_kv_transfer_params(secret), secret=secret) is True
+    metrics = owner.call("wait_landed", name="asked")
+    assert (metrics["tiers"]["host"]["demotions"], metrics["retained_blocks"]) == (1, 0)
+    _, freed = owner.call("state", name="asked")
+    assert sorted(freed) == [3, 6, 11]  # the hot blocks went back (and were reused: scribbled)
+    assert reader.read(handle, [0, 5, 9]).tier == "host"  # byte for byte the owner's original
+    assert demote_on_ranks([reader.peer], handle, 5.0) is False  # in the tier already: nothing to do
+    second = retain(owner, "asked", [1, 2], 20, "second")
+    assert demote_on_ranks([reader.peer], second, 5.0) is True
+    owner.call("wait_landed", name="asked")
+    assert reader.read(second, [14, 15]).tier == "host"
+    for done in (handle, second):
+        owner.call("release", name="asked", handle_id=done.handle_id)
+
+
+@pytest.mark.parametrize("reader", ["asked"], indirect=True)
+def test_a_demotion_of_a_forged_or_unknown_handle_is_refused_and_changes_nothing(
+        owner: TierOwner, reader: Reader) -> None:
+    import dataclasses
+
+    from kvshuttle.transfer import ClaimRefusedError, TransferArgumentError, demote_retention
+    from kvshuttle.transfer.control import demote_on_ranks
+    from kvshuttle.trust import DeploymentSecret
+
+    secret = DeploymentSecret.resolve()
+    handle = retain(owner, "asked", [7, 8], 30, "kept")
+    params = handle.to_kv_transfer_params(secret)
+    forged = {**params, "kvshuttle_handle_id": "f" * len(handle.handle_id)}
+    with pytest.raises(TransferArgumentError, match="no usable kvshuttle handle"):  # before any connection
+        demote_retention(forged, secret=secret)
+    other = DeploymentSecret(b"another-deployment-entirely-secret-0003")
+    with pytest.raises(TransferArgumentError):  # another deployment's member cannot even name it
+        demote_retention(params, secret=other)
+    unknown = dataclasses.replace(handle, handle_id="0" * len(handle.handle_id))
+    with pytest.raises(ClaimRefusedError) as refused:
+        demote_on_ranks([reader.peer], unknown, 5.0, unknown_grace_s=0.1)
+    assert refused.value.reason == "UnknownHandleError"
+    metrics, freed = owner.call("state", name="asked")
+    assert metrics["tiers"]["host"]["copying"] == 0 and not {7, 8} & set(freed)
+    assert reader.read(handle, [4, 12], path="direct").tier == "hot"  # still hot, read as before
+    owner.call("release", name="asked", handle_id=handle.handle_id)
+    with pytest.raises(ClaimRefusedError) as refused:
+        demote_on_ranks([reader.peer], handle, 5.0)
+    assert refused.value.reason == "HandleReleasedError"
+
+
+def test_an_owner_without_a_tier_refuses_a_demotion_by_name() -> None:
+    import zmq
+
+    from kvshuttle.policy import block_digests
+    from kvshuttle.retention import RetentionLedger
+    from kvshuttle.transfer import ClaimRefusedError, EngineConfig, PeerAuthError, TransferEngine, demote_retention
+    from kvshuttle.transfer.control import ask_demotion
+    from kvshuttle.transfer.side_channel import Connection
+    from kvshuttle.trust import DeploymentSecret
+
+    secret = DeploymentSecret(b"no-tier-owner-suite-deployment-secret-0004")
+    engine = TransferEngine(build_cache(GEOS["flash_nhd"], 5).cache(), EngineConfig(secret=secret))
+    try:
+        host, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
+        engine.claims = ledger = RetentionLedger("decode", host, int(port))
+        handle = ledger.retain("r", [4, 2], block_digests(list(range(30)), 16), 30, 16)
+        with pytest.raises(ClaimRefusedError) as refused:
+            demote_retention(handle.to_kv_transfer_params(secret), secret=secret)
+        assert refused.value.reason == "NoTierError"
+        kept = ledger.get(handle.handle_id)
+        assert kept is not None and kept.block_ids == handle.block_ids  # nothing lost
+        assert ledger.metrics()["retained_blocks"] == 2
+        outsider = Connection(zmq.Context.instance(), engine.address or "", secret=DeploymentSecret(b"o" * 40))
+        try:
+            with pytest.raises(PeerAuthError):  # without the deployment secret: no handshake, no op
+                ask_demotion(outsider, handle, 3.0)
+        finally:
+            outsider.close()
+        assert ledger.get(handle.handle_id) is not None
+    finally:
+        engine.close()
 
 
 def test_host_tier_arguments_are_checked() -> None:

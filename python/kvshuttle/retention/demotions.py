@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from ._checks import check_id
 from ._heap import DeadlineHeap
-from .errors import RetentionArgumentError
+from .errors import NoTierError
 from .eviction import EvictionPolicy
 from .records import RetainedRecord
 from .tiers import HOT_TIER, Demotion, TierSlots
@@ -70,10 +70,11 @@ class Demotions:
     def demote(self, handle_id: str) -> bool:
         """Move a hot retention into the tier now: True when its copy started (or waits for its reads in flight),
         False when it is in a tier already, or the tier has no room (it stays hot). HandleUnavailableError when it
-        is not live (``HandleDemotingError``: being demoted already); RetentionArgumentError without a tier."""
+        is not live (``HandleDemotingError``: being demoted already); NoTierError (a RetentionArgumentError) without a
+        tier."""
         check_id("handle_id", handle_id)
         if self._tier is None:
-            raise RetentionArgumentError("this ledger has no tier to demote into (RetentionTerms.tier)")
+            raise NoTierError("this ledger has no tier to demote into (RetentionTerms.tier)")
 
         def run() -> bool:
             handle = self._live(handle_id, self._clock(), count=False)

@@ -19,6 +19,11 @@ class RetentionArgumentError(RetentionError, ValueError):
     """``retain`` or the ledger's constructor got arguments that cannot describe a retention (a caller bug)."""
 
 
+class NoTierError(RetentionArgumentError):
+    """``demote`` on a ledger without a tier (``RetentionTerms.tier``): there is nowhere to move the retention; it
+    stays as it was."""
+
+
 class RetentionRefusedError(RetentionError, RuntimeError):
     """``retain`` kept nothing. ``caller_frees``: the request's blocks the caller must free itself, as it would
     without retention; the others are already held by live handles and stay with the ledger."""

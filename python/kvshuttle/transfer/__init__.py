@@ -9,7 +9,7 @@ from __future__ import annotations
 from .board import PUBLISH_KEY, HandleBoard
 from .claims import ClaimAuthority, ClaimRefusedError, ClaimTicket
 from .config import EngineConfig
-from .control import release_retention, renew_retention, take_published
+from .control import demote_retention, release_retention, renew_retention, take_published
 from .engine import TransferEngine
 from .errors import (
     BlockRangeError,
@@ -69,6 +69,7 @@ __all__ = [
     "TransferState",
     "TransferTelemetry",
     "TransferTimeoutError",
+    "demote_retention",
     "release_retention",
     "renew_retention",
     "take_published",

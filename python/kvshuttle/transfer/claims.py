@@ -12,6 +12,10 @@ A retention may sit in a tier of host memory instead of the hot cache (demoted, 
 reply then names the tier (``tier``, absent for the hot cache), the owner packs its blocks from the tier, and the
 reader must read it packed (``ClaimTicket.tier``): a direct read would read the hot cache by block id, and the
 owner refuses to confirm it.
+
+``demote_retention`` asks the owner to move a retention into its tier now (a router that knows the conversation
+waits on a person): the authority's ``demote``; an unknown or ended handle, or an owner without a tier
+(``NoTierError``), is refused by name and nothing changes.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class ClaimAuthority(Protocol):
     def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle: ...
 
     def release(self, handle_id: str) -> bool: ...
+
+    def demote(self, handle_id: str) -> bool: ...
 
 
 class ClaimRefusedError(TransferError):
@@ -125,8 +131,9 @@ def _ttl(message: dict[str, Any]) -> float | None:
 
 def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, reader: str,
                 secret: DeploymentSecret) -> dict[str, Any]:
-    """The owner's answer to claim, claim_done, renew_retention and release_retention from an authenticated
-    peer (``reader``: its connection, which open claims are counted against); renewed handles are signed."""
+    """The owner's answer to claim, claim_done, renew_retention, release_retention and demote_retention from an
+    authenticated peer (``reader``: its connection, which open claims are counted against); renewed handles are
+    signed."""
     if authority is None:
         return {"op": "refused", "reason": "NoRetention",
                 "message": "this owner keeps no retention ledger; recompute"}
@@ -149,6 +156,8 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, re
             return {"op": "renewed", "kv_transfer_params": renewed.to_kv_transfer_params(secret)}
         if op == "release_retention":
             return {"op": "released", "released": bool(authority.release(field(message, "handle_id", str)))}
+        if op == "demote_retention":  # False: in a tier already, or no room there (it stays hot)
+            return {"op": "demoted", "demoted": bool(authority.demote(field(message, "handle_id", str)))}
         claim_id = field(message, "claim_id", str)
         if field(message, "ok", bool):
             authority.complete(claim_id)

@@ -1,8 +1,9 @@
 """The retention operations a decode's side channel answers besides reads: take a published handle, renew a
-conversation's retention, release it. One implementation of each (``ask_*``, over any requester: a router's
-short-lived :class:`Connection` or a reader's connected :class:`~kvshuttle.transfer.Peer`), and the router's
-NIXL-free entry points (``take_published``, ``renew_retention``, ``release_retention``), which open one
-authenticated connection per call.
+conversation's retention, release it, demote it into the decode's host tier now. One implementation of each
+(``ask_*``, over any requester: a router's short-lived :class:`Connection` or a reader's connected
+:class:`~kvshuttle.transfer.Peer`), and the router's NIXL-free entry points (``take_published``,
+``renew_retention``, ``release_retention``, ``demote_retention``), which open one authenticated connection per
+call.
 
 Handles are authenticated before anything is sent: params whose MAC does not verify under the deployment secret
 never cause a connection. A dead or frozen decode fails fast with :class:`PeerUnreachableError` /
@@ -22,6 +23,7 @@ from ..errors import shown
 from ..policy import KVHandle, parse_handle
 from ..trust import DeploymentSecret
 from .board import check_publish_key
+from .claims import ClaimRefusedError
 from .errors import ProtocolError, TransferArgumentError, TransferError
 from .side_channel import Connection
 
@@ -133,6 +135,45 @@ def ask_release(conn: Requester, handle: KVHandle, timeout_s: float) -> bool:
     return reply.get("op") == "released" and bool(reply.get("released"))
 
 
+def demote_on_ranks(ranks: Sequence[Requester], handle: KVHandle, timeout_s: float,
+                    unknown_grace_s: float = 1.0) -> bool:
+    """:func:`ask_demotion` on every owner rank, each asked whatever the others answer (as releases): True when
+    any rank started moving its retention into its tier; else the first rank's error (a refusal by name:
+    :class:`ClaimRefusedError`), if one failed; False when every rank kept it where it was."""
+    demoted, error = False, None
+    for rank in ranks:
+        try:
+            demoted = ask_demotion(rank, handle, timeout_s, unknown_grace_s) or demoted
+        except TransferError as exc:
+            error = error or exc
+    if error is not None and not demoted:
+        raise error
+    return demoted
+
+
+def ask_demotion(conn: Requester, handle: KVHandle, timeout_s: float, unknown_grace_s: float = 1.0) -> bool:
+    """Let the owner move ``handle``'s retention into its host tier now (its hot blocks go back once the copy
+    landed; the handle stays valid, its claims are served from the tier): True when the copy started (or waits
+    for reads in flight), False when it is in a tier already or the tier has no room (it stays hot).
+
+    :class:`ClaimRefusedError` naming the owner's reason when it refuses: ``UnknownHandleError`` (after
+    ``unknown_grace_s``, as renewals: the ledger learns a handle one engine step after the answer that carried
+    it), ``HandleExpiredError``, ``HandleDemotingError``..., ``NoTierError`` (an owner without a host tier),
+    ``NoRetention`` (an owner without a ledger). Nothing is lost on a refusal."""
+    message = {"op": "demote_retention", "handle_id": handle.handle_id}
+    grace_until = time.monotonic() + unknown_grace_s
+    reply = conn.request(message, timeout_s, "a demotion")
+    while reply.get("reason") == "UnknownHandleError" and time.monotonic() < grace_until:
+        time.sleep(0.05)
+        reply = conn.request(message, timeout_s, "a demotion")
+    if reply.get("op") == "demoted":
+        return bool(reply.get("demoted"))
+    if reply.get("op") == "refused":
+        raise ClaimRefusedError(f"owner at {conn.address} refused the demotion: {shown(reply.get('message'))}",
+                                str(reply.get("reason", "Unknown"))[:64])
+    raise ProtocolError(f"{conn.address} answered demote_retention with {shown(reply)}")
+
+
 # -- a router's entry points (a connection per call) ------------------------------------------------------------
 def take_published(address: str, key: str, timeout_s: float = 2.0, poll_s: float = 0.02, *,
                    secret: DeploymentSecret | None = None) -> dict[str, Any] | None:
@@ -167,6 +208,19 @@ def release_retention(kv_transfer_params: Any, timeout_s: float = 2.0, *,
     conns = [connect(address, secret) for address in rank_addresses(handle)]
     try:
         return release_on_ranks(conns, handle, timeout_s)
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def demote_retention(kv_transfer_params: Any, timeout_s: float = 2.0, unknown_grace_s: float = 1.0, *,
+                     secret: DeploymentSecret | None = None) -> bool:
+    """:func:`demote_on_ranks` of the handle in ``kv_transfer_params`` (authenticated first, as for renewals)."""
+    secret = secret or DeploymentSecret.resolve()
+    handle = authenticated_handle(kv_transfer_params, secret)
+    conns = [connect(address, secret) for address in rank_addresses(handle)]
+    try:
+        return demote_on_ranks(conns, handle, timeout_s, unknown_grace_s)
     finally:
         for conn in conns:
             conn.close()

@@ -265,7 +265,7 @@ class OwnerService:
             return {"op": "pong", "jobs": self.active_jobs}
         if op == "pack":
             return self._pack(identity, message)
-        if op in ("claim", "claim_done", "renew_retention", "release_retention"):
+        if op in ("claim", "claim_done", "renew_retention", "release_retention", "demote_retention"):
             return serve_claim(self.claims, message, reader=identity.hex(), secret=self.secret)
         if op == "take_published":
             return serve_take(self.board, message)
