@@ -2,6 +2,7 @@
 
     kvshuttle plan                                   # the bundled agent trace, the H200 + EFA profile
     kvshuttle plan --trace my.jsonl --profile measured --ttl 60,240,480 --threshold 64,256,cost --plots out/
+    kvshuttle plan --trace conversation_trace.jsonl --trace-format mooncake   # a raw public trace, converted
     kvshuttle plan --synthetic conversations=50,human_fraction=0.5,human_gap_s=600 --json
     kvshuttle plan --tp-size 4 --json                # the profile's KV split over 4 TP ranks
     kvshuttle plan --cases                           # no reusable context, pauses past the TTL, edited history
@@ -24,12 +25,17 @@ from .errors import PlannerError
 from .profiles import PROFILE_NAMES, load_profile
 from .simulate import Threshold
 from .tiers import Tier
-from .trace import SyntheticSpec, example_trace_path, load_trace, synthetic_trace, write_trace
+from .trace import SyntheticSpec, example_trace_path, synthetic_trace, write_trace
+from .trace_formats import TRACE_FORMATS, load_trace_as
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--trace", metavar="FILE", help="JSON-lines trace (default: the bundled agent trace)")
+    parser.add_argument("--trace-format", choices=TRACE_FORMATS, default="kvshuttle",
+                        help="how --trace is written: kvshuttle (the planner's JSON lines, default), claude-code "
+                             "(kv-cache-tester Claude Code sessions: a session's .json file or a folder of them), "
+                             "mooncake (a Mooncake FAST'25 trace: conversations rebuilt from the shared block hashes)")
     source.add_argument("--synthetic", metavar="K=V,...", nargs="?", const="",
                         help="a generated trace: conversations, turns_min, turns_max, first_tokens, new_tokens, "
                              "output_tokens, tool_gap_s, human_gap_s, human_fraction, edit_fraction, "
@@ -149,10 +155,12 @@ def _main(args: argparse.Namespace) -> int:
         _emit(args, {"profile": profile.to_dict(), "ttl_s": ttls[0], "threshold": thresholds[0], "cases": rows},
               format_cases(rows, ttls[0], thresholds[0]))
         return 0
+    if args.trace_format != "kvshuttle" and not args.trace:
+        raise PlannerError(f"--trace-format {args.trace_format} reads the file --trace names: give --trace")
     if args.synthetic is not None:
         trace = synthetic_trace(SyntheticSpec.parse(args.synthetic))
     else:
-        trace = load_trace(args.trace or example_trace_path())
+        trace = load_trace_as(args.trace or example_trace_path(), args.trace_format)
     if args.write_trace:
         Path(args.write_trace).write_text(write_trace(trace), encoding="utf-8")
     from .report import format_plan, run_plan, write_plots

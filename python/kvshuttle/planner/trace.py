@@ -83,7 +83,7 @@ class Trace:
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def _int_field(obj: Mapping[str, Any], name: str, line: int, source: str, low: int, default: int | None = None
+def _int_field(obj: Mapping[str, Any], name: str, line: int | None, source: str, low: int, default: int | None = None
                ) -> int:
     if name not in obj:
         if default is not None:
@@ -95,7 +95,7 @@ def _int_field(obj: Mapping[str, Any], name: str, line: int, source: str, low: i
     return int(value)
 
 
-def parse_turn(obj: Any, *, line: int, source: str = "<trace>") -> tuple[str, int | None, TurnSpec]:
+def parse_turn(obj: Any, *, line: int | None, source: str = "<trace>") -> tuple[str, int | None, TurnSpec]:
     """One line's ``(conversation, turn or None, TurnSpec)``; TraceError names the line and the field."""
     if not isinstance(obj, Mapping):
         raise TraceError(f"a turn is a JSON object, got {type(obj).__name__}", line=line, source=source)
