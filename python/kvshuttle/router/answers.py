@@ -18,6 +18,7 @@ from . import relay
 from .backends import BACKEND_FAILURES, Backend, BackendPool
 from .bodies import PRIVATE_MARKERS, client_error_body
 from .config import RouterConfig
+from .demotions import StreamFinish, finish_of_json
 from .dispatch import Dispatch
 from .errors import StoreError
 from .handles import InvalidHandle, checked_handle
@@ -76,6 +77,8 @@ class Answers:
             if isinstance(answer, dict):
                 if self._keep_answers:
                     turn.answer = answer_from_json(answer)
+                if self.config.demote_on_stop:
+                    turn.finish = finish_of_json(answer)
                 # The handle is a capability on the decode's blocks: it stays between the router and backends.
                 await self._learn(turn, params, backend)
                 data = clean
@@ -108,6 +111,10 @@ class Answers:
         wait = self.config.client_write_timeout_s
         tap = IdsTap(turn.exact, self._exact.max_tokens) if turn.exact is not None and self._exact else None
         feed = events.feed if tap is None else lambda data: tap.feed(events.feed(data))
+        finish = StreamFinish() if self.config.demote_on_stop else None
+        if finish is not None:
+            filtered = feed
+            feed = lambda data: finish.feed(filtered(data))  # noqa: E731
         try:
             started = time.perf_counter()
             chunks = resp.content.iter_any()
@@ -125,7 +132,8 @@ class Answers:
                     keep.append(chunk)
                     if len(keep) % 64 == 0 and sum(map(len, keep)) > MAX_ANSWER_BYTES:  # too long to pre-warm
                         keep = turn.capture = None
-            await relay.write(client, out, events.finish() if tap is None else tap.feed(events.finish()), wait)
+            rest = events.finish() if tap is None else tap.feed(events.finish())
+            await relay.write(client, out, rest if finish is None else finish.feed(rest), wait)
         except (relay.ClientGone, relay.ClientSlow) as exc:
             slow = isinstance(exc, relay.ClientSlow)
             turn.learned = "client_slow" if slow else "client_gone"
@@ -146,6 +154,8 @@ class Answers:
             await self._stream_error(client, out, f"decode backend {backend.name} failed mid-stream: "
                                                   f"{type(exc).__name__}")
             return out
+        if finish is not None:
+            turn.finish = finish.reason
         if turn.capture is not None:
             turn.answer, turn.capture = answer_from_events(turn.capture), None
         if events.dropped:
@@ -209,5 +219,5 @@ class Answers:
             turn.learned = "store_error"
             log.info("router: storing the handle failed, the next turn recomputes: %s", exc)
             return
-        turn.learned = "stored"
+        turn.learned, turn.stored = "stored", stored
         self.metrics.stored.inc()

@@ -146,6 +146,10 @@ class RouterConfig:
     # of `kvshuttle bench placement`), and decodes keep nothing for them.
     reverse_reads: bool = True
     prewarm_max_in_flight: int = 2
+    # Soft TTL classes: after an answer that ended with finish_reason "stop" (the conversation waits on a person),
+    # ask its decode to demote the retention into its host tier at once (router/demotions.py); "tool_calls" and
+    # any other finish leave it hot. kvshuttle decodes only.
+    demote_on_stop: bool = False
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 600.0  # one prefill request (max_tokens=1) end to end
     read_timeout_s: float = 600.0  # longest silence between two chunks of a decode's answer
@@ -240,7 +244,7 @@ class RouterConfig:
         if self.secret is not None and not isinstance(self.secret, DeploymentSecret):
             raise RouterConfigError(f"secret must be a kvshuttle.trust.DeploymentSecret, got "
                                     f"{type(self.secret).__name__}")
-        for name in ("prewarm", "reverse_reads"):
+        for name in ("prewarm", "reverse_reads", "demote_on_stop"):
             if type(getattr(self, name)) is not bool:
                 raise RouterConfigError(f"{name} must be a bool, got {shown(getattr(self, name))}")
         if type(self.prewarm_max_in_flight) is not int or not 0 < self.prewarm_max_in_flight <= 1024:
@@ -274,6 +278,9 @@ class RouterConfig:
             raise RouterConfigError("use either --tenant-header or --api-keys, not both")
         if self.store != "memory" and not self.store.startswith(("redis://", "rediss://", "unix://")):
             raise RouterConfigError(f"--store is 'memory' or a redis:// URL, got {shown(redact_url(self.store))}")
+        if self.demote_on_stop and self.connector != "kvshuttle":
+            raise RouterConfigError("--demote-on-stop asks a kvshuttle decode's side channel; vLLM's NixlConnector "
+                                    "has none (use --connector kvshuttle)")
         if self.connector == "nixl" and any(d.kv_address for d in self.decode):
             raise RouterConfigError("kv=HOST:PORT is kvshuttle's decode side channel; vLLM's NixlConnector has "
                                     "none (drop the suffix or use --connector kvshuttle)")

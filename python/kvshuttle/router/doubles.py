@@ -84,6 +84,7 @@ class Stats:
     ungranted: int = 0  # ... that carried none, or an invalid one
     flood_ended: int = 0  # "flood" streams that ended (their reader went away)
     released: list[str] = field(default_factory=list)
+    demoted: list[str] = field(default_factory=list)  # handle ids a demote_retention named
     max_active: int = 0  # most completion requests in progress at once
     cancelled: int = 0  # completion requests whose client (the router) went away before the answer was done
 
@@ -98,6 +99,8 @@ class FakeVllm:
         self.secret = secret if secret is not None else DeploymentSecret.resolve()  # as a router resolves it
         self.stream_params = stream_params  # vLLM 0.33: a stream's last chunk carries kv_transfer_params
         self.behaviour = "ok"
+        self.finish_reason = "stop"  # of every answer ("tool_calls": the client comes back with tool results)
+        self.demotion = "ok"  # the side channel's answer to demote_retention: ok, refuse (NoTierError), error
         self.codec = codec
         self.prompt_ids: list[list[int]] = []  # with a codec: each chat request's prompt, as the engine saw it
         self.read_tokens: int | None = None  # prefill: what it reports reading back for a handle (None: 3 blocks)
@@ -150,6 +153,13 @@ class FakeVllm:
             if op == "release_retention":
                 self.stats.released.append(str(message.get("handle_id")))
                 return {"op": "released", "released": True}
+            if op == "demote_retention":
+                self.stats.demoted.append(str(message.get("handle_id")))
+                if self.demotion == "refuse":
+                    return {"op": "refused", "reason": "NoTierError", "message": "this ledger has no tier"}
+                if self.demotion == "error":
+                    return {"op": "error", "kind": "internal", "message": "the double broke"}
+                return {"op": "demoted", "demoted": True}
             if op == "ping":
                 return {"op": "pong", "jobs": 0}
             return {"op": "error", "kind": "protocol", "message": f"the double does not serve {op!r}"}
@@ -314,8 +324,8 @@ class FakeVllm:
                 params: dict[str, Any] | None, prompt: list[int] | None = None) -> web.Response:
         chat = request.path.endswith("/chat/completions")
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "logprobs": None, "finish_reason": "stop"} if chat else
-                                  {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"})
+                                   "logprobs": None, "finish_reason": self.finish_reason} if chat else
+                                  {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason})
         answer = {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion" if chat else "text_completion",
                   "created": int(time.time()), "model": body.get("model", "fake"), "choices": [choice],
                   "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
@@ -336,9 +346,9 @@ class FakeVllm:
         for i in range(self.tokens):
             last = i == self.tokens - 1
             choice: dict[str, Any] = ({"index": 0, "delta": {"content": f" tok{i}"}, "logprobs": None,
-                                       "finish_reason": "stop" if last else None} if chat else
+                                       "finish_reason": self.finish_reason if last else None} if chat else
                                       {"index": 0, "text": f" tok{i}", "logprobs": None,
-                                       "finish_reason": "stop" if last else None})
+                                       "finish_reason": self.finish_reason if last else None})
             chunk = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": created, "model": model, "choices": [choice]}
             if last and self.stream_params:

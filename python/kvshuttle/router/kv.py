@@ -1,4 +1,4 @@
-"""The router's calls to a decode's kvshuttle side channel: take a streamed turn's handle, release one.
+"""The router's calls to a decode's kvshuttle side channel: take a streamed turn's handle, release or demote one.
 
 Takes run on the router's event loop, without a thread: one authenticated DEALER socket per decode
 (:class:`Channel`, ``zmq.asyncio``), shared by every take in flight on that loop, each request matched to its
@@ -13,7 +13,8 @@ restarted meanwhile) is tried once more on a fresh one. (An earlier version ran 
 pool: the thread hop, the pool's polling and the GIL hand-offs cost more CPU than the exchange itself.)
 
 Releases are rare and use :func:`~kvshuttle.transfer.control.release_retention` as is, in a small thread pool
-of their own so a slow or dead decode never holds the event loop or the default executor. Imported lazily:
+of their own so a slow or dead decode never holds the event loop or the default executor; demotions
+(``--demote-on-stop``, :func:`~kvshuttle.transfer.control.demote_retention`) share that pool. Imported lazily:
 the router runs without pyzmq in front of vLLM's NixlConnector.
 """
 
@@ -33,12 +34,14 @@ if TYPE_CHECKING:
 Taker = Callable[[str, str, float], Awaitable["dict[str, Any] | None"]]
 #: (the decode's params) -> whether the decode freed something
 Releaser = Callable[[dict[str, Any]], Awaitable[bool]]
+#: (the decode's params) -> whether the decode started moving them into its host tier (raises on a refusal)
+Demoter = Callable[[dict[str, Any]], Awaitable[bool]]
 POLL_S = 0.02  # between two asks while the decode has not published yet
 MIN_ASK_S = 0.5  # the least one ask waits for its answer (as ask_published)
 
 
 class SideChannelCalls:
-    """The default taker and releaser; see the module docstring. ``close()`` drops everything.
+    """The default taker, releaser and demoter; see the module docstring. ``close()`` drops everything.
 
     Takes belong to one event loop at a time: called from another loop (a new ``asyncio.run``), the channels
     of the previous one are dropped and new ones made."""
@@ -46,7 +49,7 @@ class SideChannelCalls:
     def __init__(self, secret: DeploymentSecret, threads: int = 4) -> None:
         self._secret = secret
         self._threads = threads
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # releases only, made on first use
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # releases, demotions; made on first use
         self._channels: dict[str, Channel] = {}  # address -> the channel of self._loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: Any = None
@@ -74,15 +77,28 @@ class SideChannelCalls:
     async def release(self, params: dict[str, Any]) -> bool:
         from ..transfer.control import release_retention
 
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads_pool(), lambda: release_retention(params, secret=self._secret))
+
+    async def demote(self, params: dict[str, Any]) -> bool:
+        from ..transfer.control import demote_retention
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads_pool(), lambda: demote_retention(params, secret=self._secret))
+
+    def _threads_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._threads,
                                                                thread_name_prefix="kvshuttle-router-kv")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: release_retention(params, secret=self._secret))
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._close_channels()
+
+    def _close_channels(self) -> None:
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             channel.close()
@@ -90,8 +106,8 @@ class SideChannelCalls:
     def _channel(self, address: str) -> tuple[Channel, bool]:
         """The live channel to ``address`` on the running loop (and whether it was kept), made when needed."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # the previous loop's sockets and tasks cannot serve this one
-            self.close()
+        if loop is not self._loop:  # the previous loop's sockets and tasks cannot serve this one (the thread
+            self._close_channels()  # pool can: a release or demotion already under way keeps it)
             self._loop = loop
         channel = self._channels.get(address)
         if channel is not None and channel.lost is None:

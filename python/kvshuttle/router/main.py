@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after a chat turn, warm the next turn's prefill with the history (1-token request)")
     parser.add_argument("--prewarm-max-in-flight", type=int, default=2, metavar="N",
                         help="pre-warms in flight per prefill at most (more are skipped)")
+    parser.add_argument("--demote-on-stop", action="store_true",
+                        help="after an answer that ended with finish_reason stop (waiting on a person), ask its "
+                             "decode to move the conversation into its host tier at once (tool_calls: kept hot)")
     parser.add_argument("--token-exact", default=None, metavar="TOKENIZER_DIR",
                         help="build chat turns' prompts from the ids the decode generated, so its answer blocks "
                              "are read back (a Hugging Face tokenizer directory: tokenizer.json and "
@@ -217,6 +220,7 @@ def config_from(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         reads=args.reads, balance=args.balance, affinity=args.affinity,
         decode_local_max_tokens=args.decode_local_max_tokens, retries=args.retries, prewarm=args.prewarm,
         reverse_reads=args.reverse_reads, prewarm_max_in_flight=args.prewarm_max_in_flight,
+        demote_on_stop=args.demote_on_stop,
         publish_timeout_s=args.publish_timeout,
         backend_api_key=backend_key, store_timeout_s=args.store_timeout, max_in_flight=args.max_in_flight,
         max_store_bytes=args.max_store_bytes, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,

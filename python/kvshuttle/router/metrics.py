@@ -17,6 +17,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003
 LOOKUPS = ("hit", "miss", "expired", "foreign", "store_error", "no_conversation", "no_tenant")
 CHOSEN = ("sticky", "hashed", "failover", "balanced")  # backends.Chosen
 PREWARMS = ("sent", "done", "used", "wasted", "superseded", "busy", "failed", "skipped")
+DEMOTIONS = ("demoted", "kept", "refused", "failed", "busy")  # router/demotions.py
 
 
 class RouterMetrics:
@@ -85,6 +86,11 @@ class RouterMetrics:
                                 "went elsewhere, or never came), superseded (the next turn came first), busy (the "
                                 "prefill had prewarm_max_in_flight already), failed, skipped (no answer text)",
                                 ["result"], registry=r)
+        self.demotions = Counter("kvshuttle_router_demotions",
+                                 "Retentions the router asked a decode to demote into its host tier after an answer "
+                                 "that ended with finish_reason stop (--demote-on-stop): demoted, kept (already in "
+                                 "a tier, or no room there), refused (by name: no tier, an ended handle), failed "
+                                 "(unreachable), busy (too many in flight, skipped)", ["outcome"], registry=r)
         self.affinities = Counter("kvshuttle_router_affinity",
                                   "Backend choices: sticky (the backend that served the conversation last), hashed "
                                   "(its rendezvous-hash home), failover (the next in hash order), balanced (no "
@@ -102,6 +108,7 @@ class RouterMetrics:
         self.lookup = {name: self.lookups.labels(name) for name in LOOKUPS}
         self.placement = {name: self.placements.labels(name) for name in PLACEMENTS}
         self.prewarm = {name: self.prewarms.labels(name) for name in PREWARMS}
+        self.demotion = {name: self.demotions.labels(name) for name in DEMOTIONS}
         self.token_exact = {name: self.token_exacts.labels(name) for name in OUTCOMES}
         self.token_exact_kept = {name: self.token_exact_keeps.labels(name) for name in KEEPS}
         self.affinity = {(role, how): self.affinities.labels(role, how) for role in ("prefill", "decode")

@@ -49,11 +49,12 @@ from .auth import ApiKeys, cache_salt
 from .backends import BACKEND_FAILURES, Backend, BackendPool
 from .bodies import CHAT, COMPLETIONS, BadRequest, parse_body, read_body
 from .config import RouterConfig
+from .demotions import STOP, Demotions
 from .dispatch import Dispatch
 from .endpoints import Endpoints
 from .errors import RouterConfigError, StoreError
 from .handles import valid_id
-from .kv import Releaser, SideChannelCalls, Taker
+from .kv import Demoter, Releaser, SideChannelCalls, Taker
 from .metrics import RouterMetrics
 from .placement import decode_local
 from .prefills import Prefills
@@ -84,7 +85,8 @@ class Router:
     learned) and :class:`.Releases` (retentions let go); :class:`.Endpoints` serves the small endpoints."""
 
     def __init__(self, config: RouterConfig, *, store: HandleStore | None = None, taker: Taker | None = None,
-                 releaser: Releaser | None = None, clock: Callable[[], float] = time.time) -> None:
+                 releaser: Releaser | None = None, demoter: Demoter | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         config = config.check()
         if config.secret is None:
             try:
@@ -105,10 +107,13 @@ class Router:
         self.prefill = BackendPool(config.prefill, "prefill", config.balance, salt)
         self.decode = BackendPool(config.decode, "decode", config.balance, salt)
         self._calls: SideChannelCalls | None = None
-        if taker is None or releaser is None:
+        if taker is None or releaser is None or (config.demote_on_stop and demoter is None):
             self._calls = SideChannelCalls(self.secret)
         self._take: Taker = taker or self._calls.take  # type: ignore[union-attr]
         self._release: Releaser = releaser or self._calls.release  # type: ignore[union-attr]
+        # soft TTL classes: an answer that waits on a person demotes its retention (demotions.py)
+        self._demotions = Demotions(demoter or self._calls.demote,  # type: ignore[union-attr]
+                                    self.metrics) if config.demote_on_stop else None
         self._session: aiohttp.ClientSession | None = None
         # Turns beyond max_in_flight wait in the gate, before any work: an overloaded loop would otherwise lag past
         # the store's and backends' timeouts. Only turns whose whole body is in take a slot (a client trickling
@@ -216,6 +221,8 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._releases.close()
+        if self._demotions is not None:
+            await self._demotions.close()
         if self._prewarm is not None:
             await self._prewarm.close()
         await self.store.close()
@@ -324,6 +331,8 @@ class Router:
             raise
         if warm is not None and turn.learned == "stored":
             self._start_prewarm(warm, turn, body, headers)
+        if self._demotions is not None and turn.finish == STOP and turn.stored is not None:
+            self._demotions.later(turn.stored)  # waits on a person: off the hot cache now, after the answer
         self.metrics.requests.labels(endpoint, str(response.status)).inc()
         self.metrics.placement[turn.placement].inc()
         log.info("turn", extra={"kv": {"request_id": turn.request_id, "endpoint": endpoint, "stream": turn.stream,

@@ -33,6 +33,8 @@ class Turn:
     capture: list[bytes] | None = None  # a streamed answer's bytes, kept for its text (``answer``)
     messages: list[Any] | None = None  # a chat turn's prompt messages, for its history mark (placement.py)
     exact: ExactTurn | None = None  # the token-exact path's state (--token-exact): ids sent and collected
+    finish: str | None = None  # the answer's finish reason (--demote-on-stop only; demotions.py)
+    stored: dict[str, Any] | None = None  # the decode's params this turn stored for the next one
 
     @property
     def key(self) -> str | None:
