@@ -97,3 +97,25 @@ def test_summary_without_a_body_or_recompute_row() -> None:
     results = [_row("none", 3, 400.0)]
     clients.summarise(results)
     assert results[0]["reused_over_body"] is None and results[0]["ttft_over_recompute"] is None
+
+
+def test_tier_counts_sum_the_decodes_tier_counters_and_ignore_the_rest() -> None:
+    text = "\n".join([
+        '# HELP vllm:kvshuttle_tier_reads Reads served from a tier',
+        'vllm:kvshuttle_tier_reads_total{engine="0",model_name="tiny",tier="host"} 3.0',
+        'vllm:kvshuttle_tier_reads_created{engine="0",model_name="tiny",tier="host"} 1.7e9',
+        'vllm:kvshuttle_tier_demotions_total{engine="0",tier="host"} 4.0',
+        'vllm:kvshuttle_tier_demotions_total{engine="1",tier="host"} 1.0',
+        'vllm:kvshuttle_tier_blocks{engine="0",tier="host"} 9.0',
+        'vllm:num_requests_running{engine="0"} 2.0',
+    ])
+    assert clients.tier_counts(text) == {"reads": 3.0, "demotions": 5.0, "misses": 0.0}
+    assert clients.tier_counts("") == {"reads": 0.0, "demotions": 0.0, "misses": 0.0}
+
+
+def test_the_tier_row_is_the_body_row_paused_past_the_hot_ttl() -> None:
+    tier, body = clients.ROWS["tier"], clients.ROWS["body"]
+    assert tier["paused"] and not body.get("paused")
+    assert tier["key"] == body["key"] and tier["router"] == body["router"] == []
+    rows = _convert("body", delay_ms=9000)
+    assert [r.get("delay") for r in rows] == [None, 9000, 9000, None, 9000]

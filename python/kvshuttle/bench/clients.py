@@ -13,7 +13,10 @@ tiny model, a different ``--random-seed`` per row (different prompts: no row fin
   which no router default reads): reuse only through the content index;
 * ``dropped``: the body key on the first ``--keyed-turns`` turns of each session only (aiperf sends a turn's
   ``extra`` per turn), no header;
-* ``recompute``: the body row's keys with ``--no-reverse-reads``: the TTFT every later turn would pay.
+* ``recompute``: the body row's keys with ``--no-reverse-reads``: the TTFT every later turn would pay;
+* ``tier``: the body row with ``--tier-delay-ms`` before each later turn, past the decode's hot TTL
+  (``--hot-ttl``): every history has moved to the decode's host tier (``--tier-blocks``) and is read back from
+  there (the other rows' short gaps stay within the hot TTL).
 
 Per row: turns, later turns that reused (the prefill's ``kvshuttle: request ... read N tokens`` log lines),
 tokens read back, the router's own counts, TTFT p50 from aiperf's ``profile_export_aiperf.json``, reused turns
@@ -46,7 +49,10 @@ ROWS: dict[str, dict[str, Any]] = {
     "none": {"key": None, "router": [], "aiperf": []},
     "dropped": {"key": "some", "router": [], "aiperf": []},
     "recompute": {"key": "body", "router": ["--no-reverse-reads"], "aiperf": []},
+    "tier": {"key": "body", "router": [], "aiperf": [], "paused": True},
 }
+TIER_METRIC = re.compile(r"^vllm:kvshuttle_tier_(reads|demotions|misses)(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$",
+                         re.MULTILINE)
 READ_LINE = re.compile(r"kvshuttle: request (\S+) read (\d+) tokens")
 DEFAULT_AIPERF = Path.home() / ".cache" / "kvshuttle-aiperf" / "venv" / "bin" / "aiperf"
 HF_REV = "0" * 40
@@ -61,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=int, default=96, help="cap on a later turn's new tokens")
     parser.add_argument("--answer-tokens", type=int, default=16, help="cap on every answer")
     parser.add_argument("--delay-ms", type=int, default=300, help="gap before a later turn (the trace's: seconds)")
+    parser.add_argument("--hot-ttl", type=float, default=4.0,
+                        help="the decode's decoder_kv_blocks_ttl (s); then its host tier holds a history")
+    parser.add_argument("--tier-blocks", type=int, default=2048, help="the decode's host tier, in KV blocks")
+    parser.add_argument("--tier-delay-ms", type=int, default=8000, help="the tier row's gap before a later turn")
     parser.add_argument("--keyed-turns", type=int, default=2, help="dropped: turns that carry the key")
     parser.add_argument("--aiperf", default=str(DEFAULT_AIPERF), help="aiperf 0.13.0's executable")
     parser.add_argument("--model", default="", help="model directory (default: the tiny random Llama, built here)")
@@ -100,6 +110,14 @@ def convert(rows: list[dict[str, Any]], *, sessions: int, turns: int, first_toke
 def read_lines(log_text: str) -> list[int]:
     """Tokens of every reverse read the prefill logged (one line per read)."""
     return [int(m.group(2)) for m in READ_LINE.finditer(log_text)]
+
+
+def tier_counts(prometheus_text: str) -> dict[str, float]:
+    """The decode's host-tier counters (reads, demotions, misses) from its ``/metrics`` text, summed over labels."""
+    counts = {"reads": 0.0, "demotions": 0.0, "misses": 0.0}
+    for m in TIER_METRIC.finditer(prometheus_text):
+        counts[m.group(1)] += float(m.group(2))
+    return counts
 
 
 def ttft_p50_ms(profile: dict[str, Any]) -> float | None:
@@ -259,7 +277,8 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
     prefill, decode, kv_port, redis = deployment
     spec = ROWS[name]
     rows = convert(trace, sessions=args.sessions, turns=args.turns, first_tokens=args.first_tokens,
-                   turn_tokens=args.turn_tokens, answer_tokens=args.answer_tokens, delay_ms=args.delay_ms,
+                   turn_tokens=args.turn_tokens, answer_tokens=args.answer_tokens,
+                   delay_ms=args.tier_delay_ms if spec.get("paused") else args.delay_ms,
                    key=spec["key"], keyed_turns=args.keyed_turns, prefix=f"{name}{seed}")
     data = logs / f"{name}.aiperf.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -267,6 +286,7 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
                                ["--store", "redis", "--redis-url", redis.url, *spec["router"]])
     log_path = Path(prefill.spec.log_path)
     offset = log_path.stat().st_size
+    tier_before = tier_counts(decode.metrics())
     artifacts = logs / f"aiperf-{name}"
     env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if name != "body" and name != "recompute":  # only the header named on purpose (or none) names the session
@@ -280,6 +300,7 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
         with open(logs / f"aiperf-{name}.log", "wb") as out:
             code = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
         sessions = router_counts(url, "session_keys", "source")
+        tier_after = tier_counts(decode.metrics())
         placements = router_counts(url)
     finally:
         kill_group(router.pid)
@@ -299,6 +320,7 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
             "later_ttft_p50_ms": later_ttft_p50_ms(turns), "failed_turns": sum(t["status"] != 200 for t in turns),
             "router_session_keys": {k: int(v) for k, v in sessions.items() if v},
             "router_placements": {k: int(v) for k, v in placements.items() if v},
+            "tier": {k: int(tier_after[k] - tier_before[k]) for k in tier_after},
             "answers_checked": len(samples), "answers_equal": int(equal),
             "verified": bool(samples) and equal == len(samples)}
 
@@ -327,11 +349,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # aiperf's own processes oversubscribe the cores: the README's advice, a longer heartbeat timeout
     index: dict[str, Any] = {"kvshuttle_content_index": redis.url, "kvshuttle_content_index_wait_s": 1.0,
              "kvshuttle_peer_timeout_s": 10.0}
+    tier = {"decoder_kv_blocks_ttl": args.hot_ttl, "kvshuttle_host_tier_blocks": args.tier_blocks}
     prefill = ServedEngine(ServeSpec(model=model, name="prefill", enable_prefix_caching=False, cpu_cores=(0,),
                                      kv_transfer_config=shuttle_transfer_config(**index),
                                      log_path=str(logs / "prefill.log")))
     decode = ServedEngine(ServeSpec(model=model, name="decode", cpu_cores=(1 % (os.cpu_count() or 1),),
-                                    kv_transfer_config=shuttle_transfer_config(kvshuttle_port=kv_port, **index),
+                                    kv_transfer_config=shuttle_transfer_config(kvshuttle_port=kv_port, **index, **tier),
                                     log_path=str(logs / "decode.log")))
     results = []
     try:
@@ -349,6 +372,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summarise(results)
     note = (f"aiperf 0.13.0 replaying the first {args.sessions} sessions x {args.turns} turns of {TRACE} (lengths "
             f"capped: first prompt {args.first_tokens}, later {args.turn_tokens}, answers {args.answer_tokens} "
-            "tokens) through kvshuttle router; one prefill (prefix cache off, core 0) and one decode (core 1), "
+            f"tokens) through kvshuttle router; one prefill (prefix cache off, core 0) and one decode (core 1; hot "
+            f"TTL {args.hot_ttl:g} s, then a host tier of {args.tier_blocks} blocks; the tier row waits "
+            f"{args.tier_delay_ms} ms before each later turn), "
             "vllm serve, tiny random Llama (float32), content index and router store in one redis-server")
     return envelope("clients", args, add_arguments, results, note=note, started=started)
