@@ -196,14 +196,6 @@ def test_a_tier_claim_is_read_back_packed_by_a_reader_that_prefers_direct(worker
     assert w.take_stats().data["tier.host.reads"] == 1
 
 
-def test_a_host_tier_on_a_gpu_cache_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvshuttle.core.layout import PagedKVCache
-
-    monkeypatch.setattr(PagedKVCache, "is_cuda", property(lambda self: True))
-    with pytest.raises(ConnectorConfigError, match="kvshuttle_host_tier_blocks"):
-        worker("gpu", 7, **TIER)
-
-
 def test_the_reader_role_reads_a_tier_claim_packed_and_refuses_a_direct_read_of_it(
         workers: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvshuttle.transfer import IncompatiblePeerError

@@ -339,9 +339,28 @@ def clients(results: Results) -> Table:
     return table
 
 
+def gpu_tier(results: Results) -> Table:
+    """The host tier on a GPU (``bench transfer --device cuda --host-tier``): its packed read against the hot
+    cache's reads and one host-to-device copy, its demotion against one device-to-host copy, same bytes."""
+    table = Table("gpu_tier", "Host tier on a GPU", ("shape", "MiB", "tier / hot direct", "tier / hot packed",
+                                                     "tier / H2D copy", "demotion / D2H copy"))
+    name = "h200_tier_cuda.json"
+    rows = [r for r in results.rows(name) if r.get("host_tier")]
+    if not rows:
+        raise ReportError(f"{name}: no host tier rows")
+    for i, row in enumerate(rows):
+        where = f"{name}: host tier row {i}"
+        cells = (str(get(row, "shape", where)), f"{number(row, 'bytes', where) / 2**20:g}")
+        ratios = {h: ratio(row, k, where) for h, k in zip(table.header[2:], ("tier_vs_hot_direct", "tier_vs_hot_packed",
+                                                                             "tier_vs_h2d", "demotion_vs_d2h"),
+                                                      strict=True)}
+        table.rows.append(Row(" ".join(cells), (*cells, *map(str, ratios.values())), ratios, name))
+    return table
+
+
 TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
-    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients,
+    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients, "gpu_tier": gpu_tier,
 }
 # A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".
 BLOCK = re.compile(r"<!-- report:(?P<name>[a-z0-9_]+) -->\n(?P<body>(?:(?!<!-- /?report).)*?)\n?<!-- /report -->", re.S)

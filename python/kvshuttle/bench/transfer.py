@@ -82,8 +82,6 @@ def _owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload_arguments(parser)
-    parser.add_argument("--host-tier", action="store_true",
-                        help="also read the same blocks from a host tier and from the cache, packed (tier_vs_hot)")
 
 
 def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config: dict[str, Any],

@@ -10,6 +10,12 @@ cache of Qwen3-32B-shaped blocks (TP1: 32 KiB pieces, TP8: 4 KiB) held in one al
 * ``device_copy``: ``cupy`` copying the same bytes inside this process's GPU memory.
 
 Every method's bytes are verified once against the owner's data (regenerated from the seed) before timing.
+
+``--host-tier`` adds a row per shape for the host tier on a GPU host (``transfer/host_tier.py``): the owner
+demotes the blocks into pinned host slots (a pack on its stream, then device-to-host copies), timed against one
+device-to-host copy of the same bytes (the bus's limit); this side then reads the tier's claim packed (the owner's
+kernel reads the host slots in place) against the hot claim read direct and packed, and against one
+host-to-device copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import queue
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +59,49 @@ def _owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config:
     buffer, views = _device_cache(cupy, shape, layers, blocks, seed)
     with TransferEngine(PagedKVCache.from_arrays(views, CacheKind.FLASH_ATTN), EngineConfig(**config)) as engine:
         conn.send((engine.serve(), int(buffer.data.ptr)))
+        while not conn.poll(0.2):
+            pass
+
+
+def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config: dict[str, Any],
+                ids: list[int], repeat: int) -> None:
+    """An owner whose ledger keeps blocks ``ids`` twice, hot and demoted; sends the demotion's timings."""
+    import cupy
+
+    from ..retention import Demotion, RetentionLedger, RetentionTerms, TierTerms
+    from ..transfer import EngineConfig, TransferEngine
+    from ..transfer.host_tier import D2H, HostTier, host_buffer
+
+    _, views = _device_cache(cupy, shape, layers, blocks, seed)
+    cache = PagedKVCache.from_arrays(views, CacheKind.FLASH_ATTN)
+    tier = HostTier(cache, len(ids))
+    with TransferEngine(cache, EngineConfig(**config), tier=tier) as engine:
+        nbytes = len(ids) * tier.block_bytes
+        landed: queue.Queue[bool] = queue.Queue()
+        demotion = Demotion("bench", tuple(ids), tuple(range(len(ids))), landed.put)
+        source, pinned = cupy.empty(nbytes, dtype=cupy.uint8), host_buffer(nbytes, pinned=True)
+
+        def demote() -> None:
+            tier.demote(demotion)
+            if not landed.get(timeout=60):
+                raise RuntimeError("a demotion copy failed")
+
+        def one_copy() -> None:
+            cupy.cuda.runtime.memcpy(pinned.ctypes.data, source.data.ptr, nbytes, D2H)
+
+        samples = interleaved_rounds({"demotion": demote, "d2h_copy": one_copy}, repeat)
+        host, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
+        ledger = RetentionLedger("bench", host, int(port), terms=RetentionTerms(tier=TierTerms(len(ids))),
+                                 on_demote=tier.demote)
+        engine.claims = ledger
+        digests = [k.to_bytes(16, "little") for k in range(len(ids))]
+        args = ("hot", ids, digests, len(ids) * shape.block_size, shape.block_size)
+        hot, tiered = ledger.retain(*args), ledger.retain("tier", *args[1:])  # the second shares the blocks
+        ledger.demote(tiered.handle_id)
+        deadline = time.monotonic() + 60
+        while ledger.metrics()["tiers"]["host"]["copying"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        conn.send((engine.address, (hot, tiered), samples, nbytes))
         while not conn.poll(0.2):
             pass
 
@@ -170,6 +220,65 @@ def _run_shape(shape: Shape, args: argparse.Namespace, patterns: list[str], chun
     return results
 
 
+def _claimed(reader: _Reader, lids: npt.NDArray[np.int64], handle: Any,
+             path: Literal["direct", "packed"]) -> None:
+    engine = reader.engine
+    ticket = engine.claim(reader.peer, handle)
+    engine.read(reader.peer, lids, list(ticket.block_ids), path=path, claim=ticket).wait(120)
+    engine.finish_claim(reader.peer, ticket, ok=True)
+
+
+def _tier_row(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    """The host tier on this GPU: demotion vs one device-to-host copy; tier read vs hot reads and vs one
+    host-to-device copy of the same bytes (the bus's limit both ways)."""
+    import cupy
+
+    from ..transfer.host_tier import host_buffer
+
+    total = args.blocks + args.spare_blocks
+    config = {"staging_chunk_bytes": 16 << 20, "staging_chunks": 8, "pipeline_depth": 4}
+    rng = np.random.default_rng(args.seed + 2)
+    lids, rids = block_ids("random", args.blocks, total, rng)
+    wanted = [int(b) for b in rids]
+    with owner_process(_tier_owner, (shape, args.layers, total, args.seed, config, wanted, args.repeat),
+                       180) as sent:
+        address, (hot, tiered), demotions, nbytes = sent
+        reader = _Reader(cupy, shape, args, total, config, address, 0)
+        try:
+            source = np.stack(layer_arrays(shape, args.layers, total, args.seed))
+            pinned, device = host_buffer(nbytes, pinned=True), cupy.empty(nbytes, dtype=cupy.uint8)
+
+            def h2d_copy() -> None:
+                cupy.cuda.runtime.memcpy(device.data.ptr, pinned.ctypes.data, nbytes, 1)  # cudaMemcpyHostToDevice
+
+            fns: dict[str, Callable[[], object]] = {
+                "hot_direct": functools.partial(_claimed, reader, lids, hot, "direct"),
+                "hot_packed": functools.partial(_claimed, reader, lids, hot, "packed"),
+                "tier_packed": functools.partial(_claimed, reader, lids, tiered, "packed"), "h2d_copy": h2d_copy}
+            verified = {}
+            for name in ("hot_direct", "hot_packed", "tier_packed"):  # one byte check each, into a zeroed cache
+                reader.buffer.fill(0)
+                cupy.cuda.Device().synchronize()
+                fns[name]()
+                verified[name] = bool(np.array_equal(cupy.asnumpy(reader.buffer)[:, :, lids], source[:, :, rids]))
+            if not all(verified.values()):
+                raise AssertionError(f"{shape.name} host tier: wrong bytes read back by {verified}")
+            samples = interleaved_rounds(fns, args.repeat)
+        finally:
+            reader.close()
+    ratios, spreads = speedups({**samples, **demotions}, TIER_PAIRS)
+    times = medians({**samples, **demotions})
+    return {"shape": shape.name, "device": "cuda", "host_tier": True, "pattern": "random", "layers": args.layers,
+            "blocks": args.blocks, "bytes": nbytes, "rounds": args.repeat,
+            "seconds": {name: float(f"{t:.6g}") for name, t in times.items()},
+            "gbps": {name: round(gbps(nbytes, t), 3) for name, t in times.items()},
+            **ratios, "ratio_spread": spreads, "verified": verified}
+
+
+TIER_PAIRS = {"tier_vs_hot_direct": ("tier_packed", "hot_direct"), "tier_vs_hot_packed": ("tier_packed", "hot_packed"),
+              "tier_vs_h2d": ("tier_packed", "h2d_copy"), "demotion_vs_d2h": ("demotion", "d2h_copy")}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape x pattern x chunk size x depth on the GPU; the :mod:`~kvshuttle.bench.schema` envelope."""
     import cupy
@@ -178,6 +287,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names, chunks, depths, patterns = sweep(args)
     results = [r for name in names for chunk_mib, depth in itertools.product(chunks, depths)
                for r in _run_shape(SHAPES[name], args, patterns, chunk_mib, depth)]
+    if getattr(args, "host_tier", False):
+        results += [_tier_row(SHAPES[name], args) for name in names]
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     note = (f"VRAM to VRAM between two processes on one GPU (NIXL UCX); layers scaled to {args.layers} of the "
             f"model's 64; bf16 moved as 2-byte words; {args.repeat} rounds, methods interleaved; ratios: median of "
@@ -190,6 +301,11 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [result["note"], f"{'shape':15} {'pattern':11} {'MiB':>5} " + " ".join(f"{m:>16}" for m in METHODS)
              + "  " + "  ".join(f"{p:<24}" for p in PAIRS)]
     for r in result["results"]:
+        if r.get("host_tier"):
+            lines.append(f"{r['shape']:15} host tier   {r['bytes'] / 2**20:5.0f} "
+                         + " ".join(f"{m} {g:.2f} GB/s" for m, g in r["gbps"].items()) + "  "
+                         + "  ".join(f"{p} {r[p]:.2f}" for p in TIER_PAIRS))
+            continue
         cells = "  ".join(f"{r[p]:.2f} ({r['ratio_spread'][p]['min']:.2f}-{r['ratio_spread'][p]['max']:.2f})"
                           .ljust(24) for p in PAIRS)
         lines.append(f"{r['shape']:15} {r['pattern']:11} {r['bytes'] / 2**20:5.0f} "

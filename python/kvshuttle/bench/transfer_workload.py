@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=9, help="timed rounds (methods interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-verify", action="store_true", help="skip the byte check of each method")
+    parser.add_argument("--host-tier", action="store_true",
+                        help="also read the same blocks from a host tier and from the cache (tier_vs_hot)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: caches and staging in VRAM (cupy), packed vs direct vs one contiguous read")
 

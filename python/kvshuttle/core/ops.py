@@ -129,8 +129,10 @@ def plan_copy(
     return CopyPlan(cache, ids, view, layout, tokens, head_offset)
 
 
-def _default_stream(plan: CopyPlan) -> int:
-    owner = plan.cache.layers[0].owner
+def current_stream(cache: PagedKVCache) -> int:
+    """The calling thread's current CUDA stream of the framework that owns ``cache`` (torch or cupy; 0: the
+    default stream), where that framework's writes of the cache are ordered."""
+    owner = cache.layers[0].owner
     if type(owner).__module__.startswith("torch"):
         torch = sys.modules["torch"]
         return int(torch.cuda.current_stream(owner.device).cuda_stream)
@@ -151,7 +153,7 @@ def _run(plan: CopyPlan, pack: bool, backend: Backend, stream: int | None) -> No
         ext.paged_copy_cuda(
             plan.native_spec(), plan.cache.plane_bases, plan.block_ids,
             ext.Direction.PACK if pack else ext.Direction.UNPACK,
-            _default_stream(plan) if stream is None else int(stream),
+            current_stream(plan.cache) if stream is None else int(stream),
         )
         return
     if backend == "reference" or (backend == "auto" and not native.available()):

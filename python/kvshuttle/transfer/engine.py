@@ -47,8 +47,7 @@ class TransferEngine(OwnerRole, ReaderRole):
         self.tier = tier
         if tier is not None:
             try:
-                self._registrations.append(self._agent.register(tier.cache.regions(),
-                                                                *mem_type_of(tier.cache.geometry.device)))
+                self._registrations.append(self._agent.register(tier.regions(), *mem_type_of("cpu")))
             except NixlCallError as exc:
                 self.close()
                 raise TransferError(f"registering the host tier with NIXL failed: {exc}") from exc

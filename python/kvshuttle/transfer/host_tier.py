@@ -9,6 +9,10 @@ the tier's own CUDA stream, after an event recorded on the engine's current stre
 blocks come first): a pack into a device bounce buffer, then device-to-host copies into the slots (pinned host
 memory), then an event whose completion is the copy's; nothing blocks the engine's stream.
 
+On a GPU host the slots are pinned and mapped host memory, which the GPU addresses in place (unified virtual
+addressing): :attr:`HostTier.cache` is then a cupy view of them, so the owner packs a tier claim's reads on its
+CUDA stream straight from host memory into its VRAM staging, as it packs hot claims.
+
 Layout: slot ``s`` holds one block in the cache's identity staging layout (``StagingLayout.like``: ``[layer]
 [plane][piece]``, each piece ``[B][H][D]`` or ``[H][B][D]``), the bytes a packed read of that block would stage,
 so one pack moves a run of blocks into a run of slots. :attr:`HostTier.cache` views the slots as a paged cache
@@ -29,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.layout import PagedKVCache, StagingLayout
-from ..errors import BackendError
+from ..core.ops import current_stream
 from .errors import TransferArgumentError
 from .executors import Completion, CudaExecutor, EventCompletion, HostExecutor, import_cupy
 from .task_threads import TaskThreads
@@ -63,11 +67,17 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def tier_cache(buffer: npt.NDArray[np.uint8], hot: PagedKVCache, capacity_blocks: int) -> PagedKVCache:
-    """``buffer`` (``capacity_blocks`` slots in the identity staging layout of ``hot``) as a paged cache."""
+def tier_cache(buffer: Any, hot: PagedKVCache, capacity_blocks: int) -> PagedKVCache:
+    """``buffer`` (``capacity_blocks`` slots in the identity staging layout of ``hot``; a numpy array, or a
+    cupy array over mapped host memory) as a paged cache."""
     g = hot.geometry
     item = g.itemsize
     typed = buffer.view(np.dtype(f"u{item}"))  # the bytes only matter: an unsigned type of the element's size
+    if isinstance(buffer, np.ndarray):
+        def strided(x: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
+            return np.lib.stride_tricks.as_strided(x, shape, strides, writeable=True)
+    else:
+        strided = import_cupy().lib.stride_tricks.as_strided
     piece = g.piece_bytes
     block = g.num_planes * piece
     token, head = ((g.num_heads * g.row_bytes, g.row_bytes) if g.order.value == "NHD"
@@ -81,20 +91,33 @@ def tier_cache(buffer: npt.NDArray[np.uint8], hot: PagedKVCache, capacity_blocks
         else:  # flash_attn: [2, N, B, H, D]
             shape = (2, capacity_blocks, g.block_size, g.num_heads, g.head_size)
             strides = (piece, block, token, head, item)
-        layers.append(np.lib.stride_tricks.as_strided(typed[start:], shape, strides, writeable=True))
+        layers.append(strided(typed[start:], shape, strides))
     return PagedKVCache.from_arrays(layers, "mla" if g.planes_per_layer == 1 else "flash_attn", g.order)
 
 
+PORTABLE_MAPPED = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped: every context may address it in place
+
+
 def host_buffer(nbytes: int, pinned: bool) -> npt.NDArray[np.uint8]:
-    """``nbytes`` of zeroed host memory (pinned with cupy for GPU hosts: device-to-host copies need it)."""
+    """``nbytes`` of zeroed host memory (pinned and mapped with cupy for GPU hosts: device-to-host copies need
+    it pinned, and the owner's pack kernels read it in place)."""
     if pinned:
         cupy = import_cupy()
-        memory = cupy.cuda.alloc_pinned_memory(nbytes)
-        buffer = np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+        memory = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(nbytes, PORTABLE_MAPPED), 0)
+        buffer = np.frombuffer(memory, dtype=np.uint8, count=nbytes)  # keeps ``memory`` alive (its base)
     else:
         buffer = np.empty(nbytes, dtype=np.uint8)
     buffer.fill(0)  # fault the pages in now, not during the first demotion
     return buffer
+
+
+def mapped_view(buffer: npt.NDArray[np.uint8], device: str) -> Any:
+    """Pinned, mapped ``buffer`` as a cupy array on ``device``: under unified virtual addressing the GPU reads
+    and writes it at its host address (over the bus). ``buffer`` stays alive as the view's owner."""
+    cupy = import_cupy()
+    index = int(device.partition(":")[2] or 0)
+    memory = cupy.cuda.UnownedMemory(buffer.ctypes.data, buffer.nbytes, buffer, index)
+    return cupy.ndarray((buffer.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
 class HostTier:
@@ -113,7 +136,8 @@ class HostTier:
         self.layout = StagingLayout.like(g)
         self.block_bytes = self.layout.nbytes(g, g.block_size)
         self.buffer = host_buffer(capacity_blocks * self.block_bytes, pinned=cache.is_cuda)
-        self.cache = tier_cache(self.buffer, cache, capacity_blocks)
+        self.cache = tier_cache(mapped_view(self.buffer, g.device) if cache.is_cuda else self.buffer, cache,
+                                capacity_blocks)
         self._cuda: CudaExecutor | None = None
         self._host = HostExecutor()
         self._threads = TaskThreads("kvshuttle-demote")
@@ -125,6 +149,10 @@ class HostTier:
     def nbytes(self) -> int:
         return self.capacity_blocks * self.block_bytes
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the slots, host memory (NIXL's DRAM) on every host."""
+        return [(int(self.buffer.ctypes.data), self.nbytes)]
+
     def slot_bytes(self, slot: int, count: int = 1) -> npt.NDArray[np.uint8]:
         """The bytes of ``count`` slots from ``slot`` (a view)."""
         return self.buffer[slot * self.block_bytes:(slot + count) * self.block_bytes]
@@ -134,8 +162,9 @@ class HostTier:
         at once (the copy runs on a kept thread, or a CUDA stream). Never raises: a bad order fails the copy."""
         try:
             self._check(order)
-            self._threads.submit(lambda: self._run(order))
-        except (BackendError, RuntimeError, TransferArgumentError) as exc:  # RuntimeError: closing
+            written = self._engine_event()
+            self._threads.submit(lambda: self._run(order, written))
+        except Exception as exc:  # a bad order, closing, or the device refusing the event: the copy failed
             log.warning("kvshuttle: host tier copy refused: %s", exc)
             order.done(False)
 
@@ -156,10 +185,26 @@ class HostTier:
             raise TransferArgumentError(f"tier slots outside [0, {self.capacity_blocks}): the ledger's tier "
                                         "capacity must be the HostTier's")
 
-    def _run(self, order: DemotionOrder) -> None:
+    def _engine_event(self) -> Any:
+        """On a GPU host: an event recorded now on the caller's current stream (the engine's, when the engine's
+        thread demotes), which the copy waits for, so the engine's writes of the blocks come first. A retained
+        block was written by a step whose output the engine already read: this orders it on the device too."""
+        if not self.hot.is_cuda:
+            return None
+        cupy = import_cupy()
+        with cupy.cuda.Device(self._device_index):
+            written = cupy.cuda.Event(disable_timing=True)
+            cupy.cuda.runtime.eventRecord(written.ptr, current_stream(self.hot))
+        return written
+
+    @property
+    def _device_index(self) -> int:
+        return int(self.hot.geometry.device.partition(":")[2] or 0)
+
+    def _run(self, order: DemotionOrder, written: Any) -> None:
         ok = False
         try:
-            completion, keep = self._copy(np.asarray(order.block_ids, dtype=np.int64), order.slots)
+            completion, keep = self._copy(np.asarray(order.block_ids, dtype=np.int64), order.slots, written)
             if completion.wait(COPY_TIMEOUT_S):
                 completion.result()  # raises the copy's error
                 ok = True
@@ -173,7 +218,7 @@ class HostTier:
                 self.copies += 1
         order.done(ok)
 
-    def _copy(self, ids: npt.NDArray[np.int64], slots: Sequence[int]) -> tuple[Completion, Any]:
+    def _copy(self, ids: npt.NDArray[np.int64], slots: Sequence[int], written: Any) -> tuple[Completion, Any]:
         """Start the copy; (its completion, what must stay alive until it completed)."""
         block = self.hot.geometry.block_size
         if not self.hot.is_cuda:
@@ -184,17 +229,16 @@ class HostTier:
                 last.result()  # host packs ran already: raise the first error
             assert last is not None
             return last, None
-        return self._copy_cuda(ids, slots)
+        return self._copy_cuda(ids, slots, written)
 
-    def _copy_cuda(self, ids: npt.NDArray[np.int64], slots: Sequence[int]) -> tuple[Completion, Any]:
-        """Pack on the tier's stream into a device bounce buffer, then copy each run of slots to the host."""
+    def _copy_cuda(self, ids: npt.NDArray[np.int64], slots: Sequence[int], written: Any) -> tuple[Completion, Any]:
+        """After ``written``: pack on the tier's stream into a device bounce buffer, then copy each run of slots
+        to the host."""
         cupy = import_cupy()
         if self._cuda is None:
             self._cuda = CudaExecutor(self.hot.geometry.device)
         stream = self._cuda.stream
-        with cupy.cuda.Device(int(self.hot.geometry.device.partition(":")[2] or 0)):
-            written = cupy.cuda.Event(disable_timing=True)
-            written.record(cupy.cuda.get_current_stream())  # the engine's writes of these blocks come first
+        with cupy.cuda.Device(self._device_index):
             stream.wait_event(written)
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
             bounce = cupy.empty(len(ids) * self.block_bytes, dtype=cupy.uint8)

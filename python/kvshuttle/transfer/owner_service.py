@@ -223,7 +223,10 @@ class OwnerService:
         self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
         self.executor: CopyExecutor = executor or HostExecutor()  # packs: on the host, or a CUDA stream
         self.tier = tier
-        self.tier_packs: CopyExecutor = HostExecutor()  # the tier is host memory: packed on the job's thread
+        # The tier is host memory: packed on the job's thread, or on a GPU host by the CUDA stream reading it in
+        # place (mapped), into the VRAM staging a reader reads.
+        self.tier_packs: CopyExecutor = (self.executor if tier is not None and tier.cache.is_cuda
+                                         else HostExecutor())
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
         self.secret, self.max_jobs = secret, max_jobs
         self.board: HandleBoard | None = None  # handles published for a router (see board.py)
@@ -300,9 +303,9 @@ class OwnerService:
             raise ClaimRefusedError("the pack names blocks outside its claim", "OutsideClaim")
         if slots is None:
             return None
-        if self.tier is None or self.cache.is_cuda:  # CUDA: the staging is VRAM, the tier host memory
+        if self.tier is None:
             raise ClaimRefusedError("the claim's blocks are in the host tier, which this engine cannot pack from "
-                                    "(no HostTier, or a CUDA cache: not wired yet); recompute", "NoTier")
+                                    "(it has no HostTier); recompute", "NoTier")
         where = dict(zip(held, slots, strict=True))
         return [where[b] for b in message["ids"]]
 

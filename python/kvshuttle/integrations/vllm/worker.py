@@ -111,9 +111,6 @@ class ShuttleWorker:
         if problem:
             raise ConnectorConfigError(f"kvshuttle_transfer_cpus: {problem}")
         terms = c.terms()
-        if terms.tier is not None and cache.is_cuda:  # a demotion there would free blocks no reader can read
-            raise ConnectorConfigError("kvshuttle_host_tier_blocks: a host tier is served on CPU caches only (a GPU "
-                                       "owner cannot pack reads from it yet); set it to 0 on this engine")
         before = thread_ids()
         self.tier = HostTier(cache, terms.tier.capacity_blocks) if terms.tier is not None else None
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
