@@ -208,7 +208,7 @@ def test_the_reader_role_reads_a_tier_claim_packed_and_refuses_a_direct_read_of_
                       BS, DIGESTS, time.time(), 60.0)
     peer = r.engine.connect(w.engine.address or "")
     ticket = r.engine.claim(peer, handle, 2)
-    assert ticket.tier == "host" and ticket.packed_only
+    assert ticket.tier == "host" and ticket.slots == (0, 1) and not ticket.packed_only  # vLLM layout: packed here
     recorded: list[Any] = []
     monkeypatch.setattr(peer.path_model, "record", lambda *args: recorded.append(args))
     with pytest.raises(IncompatiblePeerError, match="host tier"):

@@ -35,6 +35,7 @@ GEOS = {
     "vllm_flash_hnd": Geo("vllm_flash_attn", dtype="float16", num_blocks=16, layout="LHBNC"),
 }
 LIMITS = "limits"  # an engine of its own for the test that moves its clock on
+DIRECT_TIER = {"flash_nhd", "flashinfer_hnd", "mla"}  # geometries whose tier pieces are the cache's: read direct
 # Every test reads an engine of its own: a demotion reuses (scribbles) its hot blocks for good.
 ENGINES = {**GEOS, "direct": GEOS["flash_nhd"], "pinned": GEOS["flash_nhd"], "asked": GEOS["flash_nhd"],
            LIMITS: GEOS["flash_nhd"].with_(num_blocks=32)}
@@ -156,13 +157,16 @@ class Reader:
         self.engine = TransferEngine(self.cache.cache(), EngineConfig())
         self.peer = self.engine.connect(owner.addresses[name])
         self.source = owner.original(name)
+        self.last_path = ""
 
-    def read(self, handle: KVHandle, local: list[int], path: Literal["direct", "packed"] = "packed") -> Any:
+    def read(self, handle: KVHandle, local: list[int], path: Literal["auto", "direct", "packed"] = "packed") -> Any:
         """Claim, read and confirm all of ``handle`` into poisoned ``local``; checks the bytes; returns the ticket."""
         self.poison()
         ticket = self.engine.claim(self.peer, handle)
-        self.engine.read(self.peer, local, list(ticket.block_ids), num_tokens=handle.num_tokens, path=path,
-                         claim=ticket).wait(20)
+        read = self.engine.read(self.peer, local, list(ticket.block_ids), num_tokens=handle.num_tokens, path=path,
+                                claim=ticket)
+        read.wait(20)
+        self.last_path = read.path
         self.engine.finish_claim(self.peer, ticket, ok=True)
         got = token_bytes(self.cache, local, handle.num_tokens)
         assert np.array_equal(got, token_bytes(self.source, handle.block_ids, handle.num_tokens)), \
@@ -215,26 +219,37 @@ def test_a_demoted_retention_reads_back_exactly_and_its_hot_blocks_were_freed_af
     assert sorted(freed) == sorted(blocks)  # vLLM's blocks went back (and were reused: scribbled)
     local = [int(b) for b in rng.permutation(16)[:5]]
     ticket = reader.read(handle, local)
-    assert ticket.tier == "host" and ticket.packed_only
+    assert ticket.tier == "host" and len(ticket.slots) == 5 and reader.last_path == "packed"
+    if name in DIRECT_TIER:  # the tier's pieces are the cache's: its slots read direct, byte for byte
+        reader.read(handle, local[::-1], path="direct")
+        assert reader.last_path == "direct"
+    else:  # they are not (vLLM 0.32 layouts: K and V of a token side by side): packed only
+        from kvshuttle.transfer import IncompatiblePeerError
+
+        ticket = reader.engine.claim(reader.peer, handle)
+        with pytest.raises(IncompatiblePeerError, match="host tier"):
+            reader.engine.read(reader.peer, local, list(ticket.block_ids), path="direct", claim=ticket)
+        reader.engine.finish_claim(reader.peer, ticket, ok=False)  # nothing moved: unpin
+        reader.read(handle, local[::-1], path="auto")
+        assert reader.last_path == "packed"
     assert owner.call("release", name=name, handle_id=handle.handle_id) is True
     assert reader.refusal(handle) == "HandleReleasedError"
     metrics, _ = owner.call("state", name=name)
-    assert metrics["tiers"]["host"]["blocks"] == 0 and metrics["tiers"]["host"]["reads"] == 1
+    assert metrics["tiers"]["host"]["blocks"] == 0 and metrics["tiers"]["host"]["reads"] == 2
 
 
 @pytest.mark.parametrize("reader", ["direct"], indirect=True)
-def test_a_direct_read_of_a_tier_claim_is_not_confirmed(owner: TierOwner, reader: Reader) -> None:
+def test_a_tier_claim_reads_direct_from_its_slots_and_a_read_of_the_hot_ids_is_not_confirmed(
+        owner: TierOwner, reader: Reader) -> None:
     from kvshuttle.transfer import ClaimRefusedError
 
     handle = retain(owner, "direct", [9, 4, 12], 48, "direct")
     owner.call("demote", name="direct", handle_id=handle.handle_id)
     owner.call("wait_landed", name="direct")
-    from kvshuttle.transfer import IncompatiblePeerError
-
+    reader.read(handle, [2, 0, 1], path="direct")  # the tier's slots, read direct: exact, and confirmed
+    assert reader.last_path == "direct"
+    # one that does not pass the ticket (an older reader) reads the hot blocks by id: the owner refuses it
     ticket = reader.engine.claim(reader.peer, handle)
-    with pytest.raises(IncompatiblePeerError, match="host tier"):  # this reader knows: the ticket says the tier
-        reader.engine.read(reader.peer, [0, 1, 2], list(ticket.block_ids), path="direct", claim=ticket)
-    # one that does not look at the ticket (an older reader) reads the hot blocks direct: the owner refuses it
     reader.engine.read(reader.peer, [0, 1, 2], list(ticket.block_ids), path="direct").wait(20)
     with pytest.raises(ClaimRefusedError) as refused:  # it read the reused hot blocks: discard
         reader.engine.finish_claim(reader.peer, ticket, ok=True)

@@ -124,12 +124,26 @@ def test_a_tier_claim_read_directly_is_refused_at_complete() -> None:
     handle = retain(env, [1, 2])
     env.ledger.demote(handle.handle_id)
     env.land()
-    with pytest.raises(StaleHandleError, match="read packed only"):
+    with pytest.raises(StaleHandleError, match="not in the blocks read by id"):
         read(env, handle, packed=False)
     assert env.ledger.metrics()["refusals"]["unpacked_tier_read"] == 1
     read(env, handle)  # the handle itself is fine
     hot = retain(env, [4], request="r2")
     assert env.ledger.claimed_slots(env.ledger.claim(hot.handle_id, hot.generation).claim_id) is None
+
+
+def test_a_tier_claim_names_its_slots_and_a_read_of_them_direct_is_confirmed() -> None:
+    env = make()
+    handle = retain(env, [1, 2, 3])
+    env.ledger.demote(handle.handle_id)
+    (order,) = env.orders
+    env.land()
+    claim = env.ledger.claim(handle.handle_id, handle.generation, [1, 2])
+    assert claim.slots == order.slots[:2]  # what a reader reads direct (the owner packs nothing)
+    env.ledger.complete(claim.claim_id, tier_read=True)
+    assert env.tier()["reads"] == 1 and not env.ledger.metrics()["refusals"].get("unpacked_tier_read")
+    hot = retain(env, [4], request="r2")
+    assert env.ledger.claim(hot.handle_id, hot.generation).slots == ()
 
 
 def test_budget_eviction_demotes_instead_of_ending() -> None:

@@ -14,8 +14,10 @@ agent pair four ways and reports GB/s against a memcpy of the same bytes measure
 
 ``--host-tier`` adds ``host_tier`` to each row: a second owner process keeps the read blocks twice under its
 retention ledger, one retention hot and one demoted into its host tier (``transfer/host_tier.py``), and the reader
-claims and reads each packed, interleaved round by round: the same bytes from the tier and from the cache;
-``tier_vs_hot`` is the tier read's speed over the hot one's (target: at least 0.8).
+claims and reads each packed and direct (the tier's slots), interleaved round by round: the same bytes from the
+tier and from the cache; ``tier_vs_hot`` is the packed tier read's speed over the packed hot one's,
+``tier_direct_vs_hot_direct`` the same for direct reads (target: at least 0.8), ``tier_direct_vs_hot_packed``
+the direct tier read's over the packed hot one's.
 
 ``packed_stages`` gives where a packed read's time goes (medians over the timed reads, from its telemetry):
 ``pack_s`` the owner's packs, ``read_s`` the chunk READs, ``unpack_s`` the unpacks, ``total_s`` the read; the
@@ -111,16 +113,23 @@ def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, co
             pass
 
 
-def _claimed_read(engine: Any, peer: Any, lids: npt.NDArray[np.int64], handle: Any) -> None:
+def _claimed_read(engine: Any, peer: Any, lids: npt.NDArray[np.int64], handle: Any, path: str) -> None:
     ticket = engine.claim(peer, handle)
-    engine.read(peer, lids, list(ticket.block_ids), path="packed", claim=ticket).wait(120)
+    engine.read(peer, lids, list(ticket.block_ids), path=path, claim=ticket).wait(120)
     engine.finish_claim(peer, ticket, ok=True)
+
+
+TIER_READS = {"hot": (0, "packed"), "host_tier": (1, "packed"), "hot_direct": (0, "direct"),
+              "tier_direct": (1, "direct")}  # name: (which retention, path)
+TIER_PAIRS = {"tier_vs_hot": ("host_tier", "hot"), "tier_direct_vs_hot_direct": ("tier_direct", "hot_direct"),
+              "tier_direct_vs_hot_packed": ("tier_direct", "hot")}
 
 
 def _tier_vs_hot(shape: Shape, args: argparse.Namespace, reads: list[tuple[Any, Any]], config: dict[str, Any],
                  source: list[npt.NDArray[Any]] | None) -> list[dict[str, Any]]:
-    """Per read: packed reads of the same blocks from the owner's host tier and from its cache, interleaved (an
-    owner per read: the reads' block ids overlap at other positions, which one ledger would take for a reuse)."""
+    """Per read: packed and direct reads of the same blocks from the owner's host tier and from its cache,
+    interleaved (an owner per read: the reads' block ids overlap at other positions, which one ledger would take
+    for a reuse)."""
     from ..transfer import EngineConfig, TransferEngine
 
     total = args.blocks + args.spare_blocks
@@ -133,19 +142,20 @@ def _tier_vs_hot(shape: Shape, args: argparse.Namespace, reads: list[tuple[Any, 
         with owner_process(_tier_owner, (shape, args.layers, total, args.seed, config, wanted), 120) as sent, \
                 TransferEngine(cache, EngineConfig(**config)) as engine:
             address, pair = sent
-            read = functools.partial(_claimed_read, engine, engine.connect(address), lids)
+            peer = engine.connect(address)
+            methods = {name: functools.partial(_claimed_read, engine, peer, lids, pair[which], path)
+                       for name, (which, path) in TIER_READS.items()}
             verified = {}
-            for name, handle in zip(("hot", "host_tier"), pair, strict=True):
+            for name, read in methods.items():
                 for layer in layers:
                     layer[:, lids] = 0
-                read(handle)
+                read()
                 verified[name] = source is None or all(np.array_equal(layer[:, lids], src[:, rids])
                                                        for layer, src in zip(layers, source, strict=True))
             if not all(verified.values()):
                 raise AssertionError(f"{shape.name}: wrong bytes read back by {verified}")
-            samples = interleaved_rounds({"hot": functools.partial(read, pair[0]),
-                                          "host_tier": functools.partial(read, pair[1])}, args.repeat)
-            ratios, spreads = speedups(samples, {"tier_vs_hot": ("host_tier", "hot")})
+            samples = interleaved_rounds(dict(methods), args.repeat)
+            ratios, spreads = speedups(samples, TIER_PAIRS)
             nbytes = len(rids) * 2 * args.layers * shape.block_size * shape.kv_heads * shape.head_size * 2
             out.append({"gbps": {k: round(gbps(nbytes, t), 3) for k, t in medians(samples).items()},
                         **ratios, "ratio_spread": spreads, "verified": verified})
@@ -359,10 +369,10 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(" " * 38 + "descriptors: " + ", ".join(f"{k} {v}" for k, v in r["descriptors"].items()))
         if "host_tier" in r:
             tier = r["host_tier"]
-            lines.append(" " * 38 + f"host tier {tier['gbps']['host_tier']:.2f} GB/s vs hot {tier['gbps']['hot']:.2f} "
-                         f"GB/s (packed, claimed): tier_vs_hot {tier['tier_vs_hot']:.2f} "
-                         f"({tier['ratio_spread']['tier_vs_hot']['min']:.2f}-"
-                         f"{tier['ratio_spread']['tier_vs_hot']['max']:.2f})")
+            lines.append(" " * 38 + "host tier (claimed) GB/s: " + ", ".join(
+                f"{name} {gb:.2f}" for name, gb in tier["gbps"].items()) + "; " + ", ".join(
+                f"{pair} {tier[pair]:.2f} ({tier['ratio_spread'][pair]['min']:.2f}-"
+                f"{tier['ratio_spread'][pair]['max']:.2f})" for pair in TIER_PAIRS if pair in tier))
         if "auto_paths" in r:
             taken = ", ".join(f"{path} {n}" for path, n in sorted(r["auto_paths"].items()))
             lines.append(" " * 38 + f"faster path {r['best_path']}; auto took: {taken}; last reason: "

@@ -210,11 +210,12 @@ class RetentionLedger(Demotions):
         ids, digs = as_tuple("block_ids", block_ids), as_tuple("digests", digests)
         return self._call(lambda: self._claim(handle_id, generation, ids, digs, reader, expected))
 
-    def complete(self, claim_id: str) -> Claim:
+    def complete(self, claim_id: str, tier_read: bool = False) -> Claim:
         """The read finished. Raises ClaimLostError (timed out) or StaleHandleError (blocks reused meanwhile):
-        then the reader must discard what it read. In use-once mode the handle's last expected read frees it."""
+        then the reader must discard what it read. In use-once mode the handle's last expected read frees it.
+        ``tier_read``: the reader says it read a tier claim's slots direct (not the hot blocks by id)."""
         check_id("claim_id", claim_id)
-        return self._call(lambda: self._complete(claim_id))
+        return self._call(lambda: self._complete(claim_id, tier_read is True))
 
     def abort(self, claim_id: str) -> bool:
         """The read failed or was abandoned: unpin. The handle stays claimable. False if the claim was not live."""
@@ -435,14 +436,14 @@ class RetentionLedger(Demotions):
         handle.claims += 1
         claim = Claim(secrets.token_urlsafe(18), handle_id, handle.generation, handle.block_ids[:count],
                       min(handle.num_tokens, count * handle.block_size), now + self._claim_timeout, reader,
-                      handle.tier)
+                      handle.tier, handle.slots[:count] if handle.tier != HOT_TIER else ())
         record = OpenClaim(claim, handle)
         self._claims[claim.claim_id] = record
         self._claim_deadlines.push(claim.deadline, record)
         self._counts["claims"] += 1
         return claim
 
-    def _complete(self, claim_id: str) -> Claim:
+    def _complete(self, claim_id: str, tier_read: bool) -> Claim:
         now = self._clock()
         record = self._pop_claim(claim_id)
         if record is None:
@@ -453,17 +454,17 @@ class RetentionLedger(Demotions):
             self._close_claim(record, "timed out")
             raise ClaimLostError(claim_id, "timed out")
         stale = not handle.reused.isdisjoint(claim.block_ids)  # a block outside the claimed prefix does not matter
-        # A tier claim must have been packed from the tier: a direct read read the hot cache by block id, whose
-        # blocks went back when the demotion landed.
-        unpacked = claim.tier != HOT_TIER and not record.packed
+        # A tier claim must have been read from the tier (packed by the owner, or its slots read direct): a reader
+        # that read the hot cache by block id read blocks that went back when the demotion landed.
+        unpacked = claim.tier != HOT_TIER and not (record.packed or tier_read)
         self._close_claim(record, "stale" if stale or unpacked else "completed")
         if stale:
             self._refusals["stale"] += 1
             raise StaleHandleError(handle.handle_id, "its blocks were reused during the read: discard them")
         if unpacked:
             self._refusals["unpacked_tier_read"] += 1
-            raise StaleHandleError(handle.handle_id, f"it is in the {claim.tier} tier, read packed only "
-                                   "(path='packed'): discard the blocks read")
+            raise StaleHandleError(handle.handle_id, f"it is in the {claim.tier} tier, not in the blocks read by id "
+                                   "(read it with its claim ticket): discard the blocks read")
         if claim.tier != HOT_TIER and self._tier is not None:
             self._tier.counts["reads"] += 1
         self._counts["hits"] += 1

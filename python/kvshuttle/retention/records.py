@@ -68,7 +68,8 @@ class Claim:
     num_tokens: int  # tokens whose KV those blocks hold
     deadline: float
     reader: str
-    tier: str = "hot"  # where the claimed bytes are: "hot" (the cache; read direct or packed) or "host" (packed)
+    tier: str = "hot"  # where the claimed bytes are: "hot" (the cache) or "host" (the tier's slots)
+    slots: tuple[int, ...] = ()  # a tier claim's slots, parallel to block_ids (what a direct read of the tier reads)
 
 
 class OpenClaim:
@@ -76,7 +77,7 @@ class OpenClaim:
 
     def __init__(self, claim: Claim, handle: RetainedRecord) -> None:
         self.claim, self.handle, self.open = claim, handle, True
-        self.packed = False  # a tier claim's bytes were packed from the tier (a direct read would read hot ids)
+        self.packed = False  # a tier claim's bytes were packed from the tier (or, the reader says, read from it)
 
 
 def same_as_issued(presented: tuple[Any, ...], issued: tuple[Any, ...]) -> bool:

@@ -43,6 +43,7 @@ from ..transfer import (
     TransferTelemetry,
     TransferTimeoutError,
 )
+from ..transfer.claims import HOT
 from ..transfer.config import Path
 from .owners import OwnerPool
 from .results import Failure, ReuseArgumentError, ReuseResult, failed_result, failure_of, time_left
@@ -208,15 +209,18 @@ def _read_slices(reader: RankedFetch, decision: Decision, local_ids: npt.NDArray
         for s in slices:
             peer, ticket = peers[s.owner_rank], tickets[s.owner_rank]
             whole = s.num_heads == local_heads == peer.info.cache.num_heads
-            # A claim in the owner's tier is packed from there: never direct, nor layer by layer (a read that
-            # cannot be packed fails here and recomputes; a direct one would be refused at confirmation).
+            # A claim in the owner's tier is read from there: packed, or direct from its slots where the engine
+            # finds the tier's pieces are this cache's ("auto" lets it choose); never layer by layer, which reads
+            # the hot cache by block id (it would be refused at confirmation).
+            in_tier = ticket.tier != HOT
             direct_ok = whole and not ticket.packed_only
+            path = ("auto" if in_tier and reader.path == "direct" else reader.path) if direct_ok else "packed"
             try:
                 layered = _layered_read(reader, peer, local_ids, decision, deadline) \
-                    if progress is not None and direct_ok else None
+                    if progress is not None and direct_ok and not in_tier else None
                 transfer: TransferHandle | LayeredTransfer = layered if layered is not None else reader.engine.read(
                     peer, local_ids, decision.remote_block_ids, num_tokens=decision.fetch_tokens,
-                    path=reader.path if direct_ok else "packed", timeout=time_left(deadline), num_heads=s.num_heads,
+                    path=path, timeout=time_left(deadline), num_heads=s.num_heads,
                     local_head_offset=s.reader_head_offset, remote_head_offset=s.owner_head_offset,
                     claim=ticket)
             except TransferError as exc:

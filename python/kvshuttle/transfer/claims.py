@@ -9,9 +9,10 @@ ranks will claim the same handle on this owner rank (``readers``, tensor paralle
 ends after that many completed reads instead of the first.
 
 A retention may sit in a tier of host memory instead of the hot cache (demoted, ``retention/tiers.py``): its claim
-reply then names the tier (``tier``, absent for the hot cache), the owner packs its blocks from the tier, and the
-reader must read it packed (``ClaimTicket.tier``): a direct read would read the hot cache by block id, and the
-owner refuses to confirm it.
+reply then names the tier and the claim's slots there (``tier``, ``slots``; absent for the hot cache). The reader
+reads it from the tier: packed (the owner packs from the slots) or direct from the slots of the tier it learned at
+the handshake (``PeerInfo.tier``) and then says so when it reports the read (``tier_read``). A read of the hot
+cache by block id would read blocks that went back at the demotion: the owner refuses to confirm it.
 
 ``demote_retention`` asks the owner to move a retention into its tier now (a router that knows the conversation
 waits on a person): the authority's ``demote``; an unknown or ended handle, or an owner without a tier
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .._values import is_int
 from ..core.ranks import MAX_READERS
 from ..errors import KVShuttleError
 from ..policy.kv_handle import KVHandle
@@ -47,6 +49,9 @@ class GrantedClaim(Protocol):
     @property
     def tier(self) -> str: ...
 
+    @property
+    def slots(self) -> tuple[int, ...]: ...
+
 
 class ClaimAuthority(Protocol):
     """What the owner consults on a claim (implemented by ``kvshuttle.retention.RetentionLedger``)."""
@@ -54,7 +59,7 @@ class ClaimAuthority(Protocol):
     def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
               digests: Sequence[bytes] | None = None, *, reader: str = "", readers: int = 1) -> GrantedClaim: ...
 
-    def complete(self, claim_id: str) -> object: ...
+    def complete(self, claim_id: str, tier_read: bool = False) -> object: ...
 
     def abort(self, claim_id: str) -> bool: ...
 
@@ -86,17 +91,24 @@ HOT = "hot"  # the claim's blocks are in the owner's cache (read direct or packe
 @dataclass(frozen=True)
 class ClaimTicket:
     """A granted claim, as the reader sees it. ``tier``: where the owner holds the blocks; anything but "hot"
-    (the host tier: "host") must be read with ``path="packed"``."""
+    (the host tier: "host") is read packed (the owner packs it from the tier) or, where the owner named its
+    ``slots`` (parallel to ``block_ids``) and the tier's pieces match this side's, direct from the tier's slots."""
 
     claim_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     tier: str = HOT
+    slots: tuple[int, ...] = ()
 
     @property
     def packed_only(self) -> bool:
-        """Whether only a packed read can read these blocks (they are in a tier, not the registered cache)."""
-        return self.tier != HOT
+        """Whether only a packed read can read these blocks (in a tier whose slots the owner did not name)."""
+        return self.tier != HOT and not self.slots
+
+    def slots_of(self, block_ids: Any) -> list[int]:
+        """The tier slots holding ``block_ids`` (of this claim); KeyError for a block the claim does not cover."""
+        where = dict(zip(self.block_ids, self.slots, strict=True))
+        return [where[int(b)] for b in block_ids]
 
 
 def claim_request(handle: KVHandle, num_blocks: int | None, readers: int = 1) -> dict[str, Any]:
@@ -149,7 +161,7 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, re
             reply = {"op": "claimed", "claim_id": granted.claim_id, "block_ids": list(granted.block_ids),
                      "num_tokens": granted.num_tokens}
             if granted.tier != HOT:  # absent for the hot cache: the reply an older reader knows
-                reply["tier"] = granted.tier
+                reply["tier"], reply["slots"] = granted.tier, list(granted.slots)
             return reply
         if op == "renew_retention":  # clamped to the authority's maximum TTL
             renewed = authority.renew(field(message, "handle_id", str), _ttl(message))
@@ -160,7 +172,7 @@ def serve_claim(authority: ClaimAuthority | None, message: dict[str, Any], *, re
             return {"op": "demoted", "demoted": bool(authority.demote(field(message, "handle_id", str)))}
         claim_id = field(message, "claim_id", str)
         if field(message, "ok", bool):
-            authority.complete(claim_id)
+            authority.complete(claim_id, message.get("tier_read") is True)
         else:
             authority.abort(claim_id)
         return {"op": "claim_done"}
@@ -179,7 +191,11 @@ def ticket_from_reply(reply: dict[str, Any], address: str) -> ClaimTicket:
     tier = reply.get("tier", HOT)
     if not isinstance(tier, str) or not 0 < len(tier) <= 16:
         raise ClaimRefusedError(f"owner at {address} named no tier a claim can be in: {str(tier)[:20]!r}", "Malformed")
-    return ClaimTicket(str(reply["claim_id"]), tuple(reply["block_ids"]), int(reply["num_tokens"]), tier)
+    block_ids, slots = tuple(reply["block_ids"]), reply.get("slots", [])
+    if tier == HOT or not isinstance(slots, list) or len(slots) != len(block_ids) or not all(
+            is_int(s) and 0 <= s < 2**31 for s in slots):
+        slots = []  # read packed: the owner packs from wherever its slots are
+    return ClaimTicket(str(reply["claim_id"]), block_ids, int(reply["num_tokens"]), tier, tuple(int(s) for s in slots))
 
 
 def check_done_reply(reply: dict[str, Any], address: str) -> None:

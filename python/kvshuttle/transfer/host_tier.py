@@ -18,8 +18,9 @@ Layout: slot ``s`` holds one block in the cache's identity staging layout (``Sta
 so one pack moves a run of blocks into a run of slots. :attr:`HostTier.cache` views the slots as a paged cache
 (``flash_attn`` or ``mla`` kind, layers interleaved per slot) with the hot cache's block size, heads, head size
 and order: the owner packs a tier claim's reads from it exactly as from the hot cache (``owner_service.py``),
-and every pack of it yields the bytes the same pack of the hot blocks yielded. Reads of the tier are packed
-only: a direct read addresses the hot cache's layout, which the tier does not share (``ClaimTicket.tier``).
+and every pack of it yields the bytes the same pack of the hot blocks yielded. Where the hot cache's direct-read
+pieces are contiguous ``[B][H][D]`` (or ``[H][B][D]``) runs, a slot's pieces are the same bytes in the same
+format: the owner publishes them (``PeerInfo.tier``) and readers read tier claims direct from the slots.
 """
 
 from __future__ import annotations

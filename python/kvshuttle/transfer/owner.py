@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.plan import SideGeometry
 from ._nixl import NixlCallError
 from .board import HandleBoard
 from .claims import ClaimAuthority
@@ -43,7 +44,8 @@ class OwnerRole(Endpoint):
             except NixlCallError as exc:
                 raise SideChannelError(f"reading this agent's NIXL metadata failed: {exc}") from exc
             staging = StagingInfo(self.pool.slot_bytes, self.pool.slots, self.pool_mem, self.pool_device)
-            info = PeerInfo(self.name, metadata, self.side, self.cache.geometry, self.mem_type, staging)
+            tier = SideGeometry.from_cache(self.tier.cache) if self.tier is not None else None  # host memory: dev 0
+            info = PeerInfo(self.name, metadata, self.side, self.cache.geometry, self.mem_type, staging, tier)
             self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
                                        self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims,
                                        secret=self.secret, max_jobs=self.config.max_jobs_per_peer,

@@ -31,6 +31,7 @@ class Peer:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 1.0
     remote_dlist: NixlDescList | None = field(default=None, repr=False)
+    tier_claims: set[str] = field(default_factory=set, repr=False)  # claims read direct from the tier, unconfirmed
     path_model: PathModel = field(default_factory=lambda: PathModel(32 << 10), repr=False)  # auto's measurements
     connected: bool = True
     lost: str | None = None

@@ -21,12 +21,12 @@ import numpy.typing as npt
 from ..core.blocks import blocks_hold_tokens, check_ids
 from ..core.layers import split_by_layer
 from ..core.layout import CacheGeometry, StagingLayout
-from ..core.plan import ReadPlan, plan_read
+from ..core.plan import ReadPlan, SideGeometry, plan_read
 from ..core.ranks import MAX_READERS
 from ..errors import BlockIdError, LayoutError, StagingError, shown
 from ..policy.kv_handle import KVHandle
 from ._nixl import MemType, NixlCallError
-from .claims import ClaimTicket, check_done_reply, claim_request, ticket_from_reply
+from .claims import HOT, ClaimTicket, check_done_reply, claim_request, ticket_from_reply
 from .config import PATHS, Path
 from .direct import DirectRequest, DirectTransfer, all_pieces, build_initialize, build_prepped
 from .endpoint import Endpoint
@@ -172,8 +172,11 @@ class ReaderRole(Endpoint):
         self._check_open()
         self._live_peer(peer, ())
         wait = _timeout_arg(timeout, self.config.connect_timeout_s)
-        reply = self._request(peer, {"op": "claim_done", "claim_id": ticket.claim_id, "ok": bool(ok)}, wait,
-                              "a claim report")
+        message = {"op": "claim_done", "claim_id": ticket.claim_id, "ok": bool(ok)}
+        if ticket.claim_id in peer.tier_claims:  # read direct from the tier's slots: say so, the owner cannot see it
+            peer.tier_claims.discard(ticket.claim_id)
+            message["tier_read"] = True
+        reply = self._request(peer, message, wait, "a claim report")
         if ok:
             check_done_reply(reply, peer.address)
 
@@ -194,10 +197,11 @@ class ReaderRole(Endpoint):
         faster for reads of this shape (:mod:`.path_model`; ``handle.path`` and ``telemetry.reason`` say which
         and why). ``notify`` is delivered to the owner
         with the completion notification. ``claim``: the claim covering ``remote_ids`` (an owner that keeps a
-        retention ledger packs only claimed blocks); a claim in a tier (``claim.packed_only``) is read packed, and
-        ``path="direct"`` is refused for it (IncompatiblePeerError). Every argument is checked before anything is
-        posted: a bad one raises a named error (``TransferArgumentError``, ``BlockRangeError``...) and nothing is
-        written.
+        retention ledger packs only claimed blocks); a claim in a tier is read from the tier: direct from its slots
+        where the owner named them and the tier's pieces are this cache's (the path as for the hot cache), else
+        packed, and then ``path="direct"`` is refused (IncompatiblePeerError). Every argument is checked before
+        anything is posted: a bad one raises a named error (``TransferArgumentError``, ``BlockRangeError``...)
+        and nothing is written.
         """
         started = time.perf_counter()
         self._check_open()
@@ -209,10 +213,11 @@ class ReaderRole(Endpoint):
         if claim is not None and not isinstance(claim, ClaimTicket):
             raise TransferArgumentError(f"claim must be a ClaimTicket, got {type(claim).__name__}",
                                         _loose_ids(local_ids))
-        if claim is not None and claim.packed_only:  # in a tier: the owner packs it from there, never direct
+        tier = None if claim is None or claim.tier == HOT else self._tier_side(peer, claim)
+        if claim is not None and claim.tier != HOT and tier is None:  # the owner packs it from its tier
             if path == "direct":
                 raise IncompatiblePeerError(f"the claimed blocks are in the owner's {claim.tier} tier, which only a "
-                                            "packed read reads (path='packed' or 'auto')", _loose_ids(local_ids))
+                                            "packed read reads here (path='packed' or 'auto')", _loose_ids(local_ids))
             path = "packed"
         wait = _timeout_arg(timeout, self.config.transfer_timeout_s)
         lids, rids, tokens = self._check_read_ids(peer, local_ids, remote_ids, num_tokens)
@@ -237,11 +242,17 @@ class ReaderRole(Endpoint):
         sliced = heads != g.num_heads or heads != rc.num_heads
         difference = peer.layout_difference or (f"head slice of {heads}" if sliced else None)
         chosen, reason, plan = self._choose_path(peer, lids, rids, path, difference)
-        # a tier read is packed whatever the path model says: it teaches the model nothing about the hot cache
-        observer = None if claim is not None and claim.packed_only else self._observer(peer, lids, rids, sliced)
-        if chosen == "direct":
-            handle: TransferHandle = self._read_direct(peer, transfer_id, lids, rids, plan, reason, notify,
-                                                       deadline, started, on_done=observer)
+        # a tier read teaches the path model nothing about the hot cache
+        observer = None if claim is not None and claim.tier != HOT else self._observer(peer, lids, rids, sliced)
+        if chosen == "direct" and tier is not None and claim is not None:  # the tier's slots, in host memory
+            slots = self._tier_slots(claim, rids, tier, lids)
+            handle: TransferHandle = self._read_direct(
+                peer, transfer_id, lids, slots, plan_read(self.side, lids, tier, slots), f"host tier; {reason}",
+                notify, deadline, started, mode="initialize", remote_mem="DRAM")
+            peer.tier_claims.add(claim.claim_id)
+        elif chosen == "direct":
+            handle = self._read_direct(peer, transfer_id, lids, rids, plan, reason, notify, deadline, started,
+                                       on_done=observer)
         else:
             layout = StagingLayout(g.block_size, heads, g.order)
             handle = self._read_packed(peer, transfer_id, lids, rids, tokens, layout, local_offset,
@@ -379,12 +390,34 @@ class ReaderRole(Endpoint):
 
         return record
 
+    def _tier_side(self, peer: Peer, claim: ClaimTicket) -> SideGeometry | None:
+        """The owner's tier as direct-read pieces, when this side can read a tier claim direct: the owner named the
+        claim's slots and its tier, and the tier's pieces are byte for byte this cache's."""
+        tier, mine = peer.info.tier, self.side
+        if not claim.slots or tier is None or peer.layout_difference is not None:
+            return None
+        same = (tier.piece_format == mine.piece_format != "" and tier.piece_bytes == mine.piece_bytes
+                and tier.planes_per_layer == mine.planes_per_layer and tier.plane_bases.size == mine.plane_bases.size)
+        return tier if same else None
+
+    @staticmethod
+    def _tier_slots(claim: ClaimTicket, rids: npt.NDArray[np.int64], tier: SideGeometry,
+                    lids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        try:
+            slots = np.asarray(claim.slots_of(rids), dtype=np.int64)
+        except KeyError:
+            raise BlockRangeError("a read of a tier claim names blocks outside the claim", lids) from None
+        if slots.size and (slots.min() < 0 or slots.max() >= tier.num_blocks):
+            raise IncompatiblePeerError(f"the owner named tier slots outside its tier of {tier.num_blocks}", lids)
+        return slots
+
     def _read_direct(self, peer: Peer, transfer_id: str, lids: npt.NDArray[np.int64],
                      rids: npt.NDArray[np.int64], plan: ReadPlan | None, reason: str, notify: bytes,
                      deadline: float, started: float, mode: str | None = None,
-                     on_done: Callable[[TransferTelemetry], None] | None = None) -> TransferHandle:
+                     on_done: Callable[[TransferTelemetry], None] | None = None,
+                     remote_mem: MemType | None = None) -> TransferHandle:
         notif = NOTIF_PREFIX + transfer_id.encode() + b":" + notify
-        rmem: MemType = peer.info.mem_type
+        rmem: MemType = remote_mem or peer.info.mem_type
         try:
             request: DirectRequest
             if (mode or self.config.direct_mode) == "prepped":

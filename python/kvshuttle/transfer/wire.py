@@ -112,13 +112,17 @@ class PeerInfo:
     cache: CacheGeometry
     mem_type: MemType  # where the peer's cache lives
     staging: StagingInfo
+    tier: SideGeometry | None = None  # the direct-read pieces of the peer's host tier (host memory), if it has one
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "op": "hello", "protocol": PROTOCOL_VERSION, "agent": self.agent_name, "metadata": self.metadata,
             "side": self.side.to_wire(), "cache": geometry_to_wire(self.cache), "mem_type": self.mem_type,
             "staging": self.staging.to_wire(),
         }
+        if self.tier is not None:  # absent without a tier: the handshake an older reader knows
+            wire["tier"] = self.tier.to_wire()
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> PeerInfo:
@@ -132,8 +136,9 @@ class PeerInfo:
             staging = StagingInfo(int(st["slot_bytes"]), int(st["slots"]), str(st["mem_type"]),
                                   int(st["device_id"]))
             mem_type: MemType = "VRAM" if d["mem_type"] == "VRAM" else "DRAM"
+            tier = SideGeometry.from_wire(d["tier"]) if d.get("tier") is not None else None
             return cls(str(d["agent"]), bytes(d["metadata"]), SideGeometry.from_wire(d["side"]),
-                       geometry_from_wire(d["cache"]), mem_type, staging)
+                       geometry_from_wire(d["cache"]), mem_type, staging, tier)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed handshake from peer ({exc})") from exc
 
