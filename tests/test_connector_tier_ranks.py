@@ -7,8 +7,10 @@ The scheduler must end each retention on every rank, whichever order the ranks r
 d1 drops its copy (its slots free, nothing left readable), the rank that kept d0 drops it once its read is over.
 No rank's hot blocks are freed before its own copy landed (vLLM frees a request when every rank reported it); a
 reader that claims every rank gets a named refusal and leaves no claim open; the tier counters say what happened.
-Real ShuttleWorkers (each its own TransferEngine, NIXL agent and side channel over a vLLM 0.32 CPU cache shard)
-driven by test_connector_tp's ``Engine`` (vLLM's scheduler and KVOutputAggregator)."""
+Each decode rank is a real ShuttleWorker in its own process (its own TransferEngine, NIXL agent, side channel,
+ledger and host tier over a vLLM 0.32 CPU cache shard: tier_rank_helpers.py), driven by test_connector_tp's
+``Engine`` (vLLM's scheduler and KVOutputAggregator; the step's metadata and reports cross the pipes pickled, as
+under vLLM's multiprocess executor); the prefill ranks that read are real workers in this process."""
 
 from __future__ import annotations
 
@@ -19,19 +21,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import HostCache, make_cache
+from conftest import HostCache
 from kvshuttle.integrations.vllm import ShuttleConfig
-from kvshuttle.integrations.vllm import worker as worker_module
 from kvshuttle.integrations.vllm.worker import ShuttleWorker
 from kvshuttle.policy import Decision, KVHandle
 from kvshuttle.policy.decision import Reason
 from kvshuttle.reuse import ReuseResult
-from kvshuttle.transfer.host_tier import DemotionOrder, HostTier
 from test_connector_host_tier import until
 from test_connector_tp import HEADS, TP, Engine, no_state, tp_scheduler
 from test_vllm_scheduler import BS, SECRET
+from tier_rank_helpers import RankProcess, shard, start_ranks
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 # A hot TTL no step reaches by itself: each test says when it ran out on which rank (``expire``), the way the
 # worker's own sweep does once the clock got there, so the order in which the ranks act is the test's.
@@ -40,49 +41,24 @@ TIER = {"decoder_kv_blocks_ttl": HOT_TTL_S, "kvshuttle_host_tier_blocks": 4}  # 
 READER = "prefill-rank0"  # the prefill rank whose read in flight pins d0 on decode rank 0
 
 
-class GatedTier(HostTier):
-    """A host tier whose demotion copies wait while ``closed`` (a slow copy): who reports first is the test's."""
-
-    def __init__(self, cache: Any, capacity_blocks: int) -> None:
-        super().__init__(cache, capacity_blocks)
-        self.closed = False
-        self.held: list[DemotionOrder] = []
-
-    def demote(self, order: DemotionOrder) -> None:
-        if self.closed:
-            self.held.append(order)
-        else:
-            super().demote(order)
-
-    def open(self) -> None:
-        self.closed = False
-        held, self.held = self.held, []
-        for order in held:
-            super().demote(order)
-
-
 Made = tuple[ShuttleWorker, HostCache]
 
 
 @pytest.fixture
-def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """``make(rank, tp_size=TP, heads=2, engine="eng", **extra)``: a real worker over its own cache shard, its
-    host tier a :class:`GatedTier`."""
+def readers() -> Iterator[Any]:
+    """``make(rank, tp_size=TP, heads=2, engine="pre")``: a prefill rank, a real worker over a shard of its own."""
     pytest.importorskip("nixl._api")
     pytest.importorskip("zmq")
-    from test_connector_worker import GEO  # 2 heads per shard, 64 blocks of BS tokens
-
-    monkeypatch.setattr(worker_module, "HostTier", GatedTier)
     built: list[ShuttleWorker] = []
 
-    def make(rank: int, tp_size: int = TP, heads: int = 2, engine: str = "eng", **extra: Any) -> Made:
-        config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, **extra}, model="m")
+    def make(rank: int, tp_size: int = TP, heads: int = 2, engine: str = "pre") -> Made:
+        config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True}, model="m")
         w = ShuttleWorker(config, engine, BS, secret=SECRET, tp_rank=rank, tp_size=tp_size,
                           num_kv_heads=HEADS if tp_size > 1 else None)
         built.append(w)
-        shard = make_cache(np.random.default_rng(rank + 10 * len(built)), GEO.with_(num_heads=heads))
-        w.register_kv_caches({f"model.layers.{i}.self_attn": x for i, x in enumerate(shard.layers)}, "CPU_ATTN")
-        return w, shard
+        cache = shard(rank, 50 + len(built), heads)
+        w.register_kv_caches({f"model.layers.{i}.self_attn": x for i, x in enumerate(cache.layers)}, "CPU_ATTN")
+        return w, cache
 
     try:
         yield make
@@ -91,22 +67,27 @@ def ranks(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             w.shutdown()
 
 
-def expire(w: ShuttleWorker) -> None:
+@pytest.fixture
+def decode() -> Iterator[list[RankProcess]]:
+    """Decode ranks 0 and 1 of one engine, each in its own process, same config (a 4-block host tier each)."""
+    pytest.importorskip("nixl._api")
+    pytest.importorskip("zmq")
+    procs = start_ranks(TP, HEADS, 100, TIER)
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.close()
+
+
+def expire(w: RankProcess) -> None:
     """This rank's hot TTL ran out: its sweep (as in ``ShuttleWorker.finished``) demotes or ends what is due.
     (Claims time out after 30 s, later than this clock.)"""
-    assert w.ledger is not None
-    w.ledger.sweep(time.monotonic() + HOT_TTL_S + 1)
+    w.expire(HOT_TTL_S + 1)
 
 
-def tier_of(w: ShuttleWorker) -> dict[str, Any]:
-    assert w.ledger is not None
-    tiers: dict[str, Any] = w.ledger.metrics()["tiers"]
-    return dict(tiers["host"])
-
-
-def gated(w: ShuttleWorker) -> GatedTier:
-    assert isinstance(w.tier, GatedTier)
-    return w.tier
+def tier_of(w: RankProcess) -> dict[str, Any]:
+    return dict(w.ledger.metrics()["tiers"]["host"])
 
 
 def handle_of(params: dict[str, Any]) -> KVHandle:
@@ -117,8 +98,8 @@ class Setup:
     """Decode ranks 0 and 1 (same config) under one scheduler; d0 landed in both tiers, d1 held hot on both, and
     a prefill rank's read of d0 in flight on rank 0 (its claim pins d0 there: rank 0's tier is full)."""
 
-    def __init__(self, make: Any) -> None:
-        (self.w0, self.c0), (self.w1, self.c1) = make(0, **TIER), make(1, **TIER)
+    def __init__(self, decode: list[RankProcess]) -> None:
+        self.w0, self.w1 = decode
         self.engine = Engine(tp_scheduler(**TIER), [self.w0, self.w1])
         self.p0 = self.engine.finish("d0")
         self.engine.step()  # every rank retains d0; vLLM named it finished
@@ -134,14 +115,12 @@ class Setup:
         assert self.pin.tier == "host"
 
     def ledger(self, rank: int) -> Any:
-        ledger = (self.w0, self.w1)[rank].ledger
-        assert ledger is not None
-        return ledger
+        return (self.w0, self.w1)[rank].ledger
 
     def settle(self) -> None:
         """Steps until every retention ended on every rank and vLLM freed every request."""
         until(self.engine.step, lambda _: self.engine.freed == ["d0", "d1"] and not self.engine.metas[-1].releases
-              and all(len(w.ledger or ()) == 0 for w in (self.w0, self.w1)))
+              and all(len(w.ledger) == 0 for w in (self.w0, self.w1)))
 
     def check_nothing_left(self) -> None:
         assert self.engine.freed == ["d0", "d1"] and self.engine.remaining == {}
@@ -167,12 +146,12 @@ def fetch(reader: ShuttleWorker, handle: KVHandle, local: tuple[int, ...] = (20,
 
 
 # ------------------------------------------------------------------------------------- the TTL's demotion
-def test_a_rank_out_of_tier_room_ends_it_while_the_others_copy_is_in_flight(ranks: Any) -> None:
+def test_a_rank_out_of_tier_room_ends_it_while_the_others_copy_is_in_flight(decode: list[RankProcess]) -> None:
     """Rank 0 ends d1 (``tier_full``) and reports it while rank 1's copy of d1 is still running: the next step
     ends d1 on rank 1 too, but its hot blocks stay with vLLM until the copy is over (the copy reads them); then
     its slots go back. Rank 1's eviction of d0 ends d0 on rank 0 as soon as the read there is over."""
-    s = Setup(ranks)
-    gated(s.w1).closed = True
+    s = Setup(decode)
+    s.w1.close_gate()
     expire(s.w0)  # both ranks' sweeps in the same step, as their TTLs run out together
     expire(s.w1)
     assert s.ledger(0).get(s.h1.handle_id) is None and tier_of(s.w0)["full"] == 1
@@ -183,7 +162,7 @@ def test_a_rank_out_of_tier_room_ends_it_while_the_others_copy_is_in_flight(rank
     assert sorted(told) == ["d0", "d1"], told  # rank 0's end of d1 reached rank 1, rank 1's of d0 rank 0
     assert s.engine.freed == ["d0"] and s.engine.remaining == {"d1": 1}  # rank 1 still copies from its blocks
     assert s.ledger(1).metrics()["retained_blocks"] == 4 and tier_of(s.w1)["copying"] == 1
-    gated(s.w1).open()
+    s.w1.open_gate()
     until(s.engine.step, lambda _: "d1" in s.engine.freed)
     assert s.engine.freed == ["d0", "d1"]
     assert tier_of(s.w1)["blocks"] == 0  # the landed copy of an ended retention keeps no slot
@@ -193,12 +172,12 @@ def test_a_rank_out_of_tier_room_ends_it_while_the_others_copy_is_in_flight(rank
     s.check_nothing_left()
 
 
-def test_a_rank_out_of_tier_room_after_the_others_landing_still_ends_it_there(ranks: Any) -> None:
+def test_a_rank_out_of_tier_room_after_the_others_landing_still_ends_it_there(decode: list[RankProcess]) -> None:
     """Rank 0's demotion of d1 waits for its read in flight, so rank 1's landing is reported first and rank 0's
     end comes in the same report that frees d1 (every rank reported it). vLLM's aggregate cannot say whether
     rank 1 ended d1 or landed it: the scheduler must end it on every rank, or rank 1's tier keeps a copy no one
     can read for the tier's whole TTL (a reader's claim on rank 0 is refused), crowding out live retentions."""
-    s = Setup(ranks)
+    s = Setup(decode)
     read = s.ledger(0).claim(s.h1.handle_id, 0, reader=READER)  # d1 is being read on rank 0 as its TTL ends
     expire(s.w0)
     expire(s.w1)
@@ -217,20 +196,21 @@ def test_a_rank_out_of_tier_room_after_the_others_landing_still_ends_it_there(ra
     s.check_nothing_left()
 
 
-def test_a_reader_of_every_rank_is_refused_by_name_and_leaves_no_claim_open(ranks: Any) -> None:
+def test_a_reader_of_every_rank_is_refused_by_name_and_leaves_no_claim_open(decode: list[RankProcess],
+                                                                                readers: Any) -> None:
     """Between rank 0's end of d1 and the step that ends it on rank 1, a prefill at TP 1 (it claims both decode
     ranks) is refused by rank 0 (``tier_full``, a tier miss), recomputes every block and holds nothing on rank 1;
     a prefill at TP 2 has its rank 1 read rank 1's tier while its rank 0 is refused: vLLM recomputes from the
     first invalid block of the union on every rank, so the heads rank 1 read are computed again. Once rank 1 ended
     d1 too, it refuses as well."""
-    s = Setup(ranks)
-    whole, _ = ranks(0, tp_size=1, heads=HEADS, engine="pre")
-    pre0, _ = ranks(0, engine="pre2")
-    pre1, _ = ranks(1, engine="pre2")
-    gated(s.w1).closed = True
+    s = Setup(decode)
+    whole, _ = readers(0, tp_size=1, heads=HEADS)
+    pre0, _ = readers(0, engine="pre2")
+    pre1, _ = readers(1, engine="pre2")
+    s.w1.close_gate()
     expire(s.w0)
     expire(s.w1)
-    gated(s.w1).open()
+    s.w1.open_gate()
     until(lambda: tier_of(s.w1), lambda tier: tier["copying"] == 0)
     assert tier_of(s.w1)["live_handles"] == 1  # d1 landed in rank 1's tier, ended on rank 0; no step yet
     refused = fetch(whole, s.h1)
@@ -255,7 +235,8 @@ def test_a_reader_of_every_rank_is_refused_by_name_and_leaves_no_claim_open(rank
 
 
 # ------------------------------------------------------------------------------------ an asked demotion
-def test_a_demotion_asked_of_every_rank_moves_it_where_there_is_room_and_the_ttl_ends_the_rest(ranks: Any) -> None:
+def test_a_demotion_asked_of_every_rank_moves_it_where_there_is_room_and_the_ttl_ends_the_rest(
+        decode: list[RankProcess], readers: Any) -> None:
     """A router's ``demote_retention`` (every rank) while rank 0's tier is full: rank 0 keeps d1 hot (an asked
     demotion never ends a retention), rank 1 evicts d0 and moves d1 into its tier. vLLM keeps the blocks (rank
     0 holds them); a read meanwhile takes rank 0's heads from its hot cache and rank 1's from its tier, and gets
@@ -263,8 +244,9 @@ def test_a_demotion_asked_of_every_rank_moves_it_where_there_is_room_and_the_ttl
     then on rank 1."""
     from kvshuttle.transfer import demote_retention
 
-    s = Setup(ranks)
-    whole, mine = ranks(0, tp_size=1, heads=HEADS, engine="pre")
+    s = Setup(decode)
+    whole, mine = readers(0, tp_size=1, heads=HEADS)
+    c0, c1 = s.w0.cache(), s.w1.cache()
     assert demote_retention(s.p1, secret=SECRET) is True  # rank 1 started; rank 0 said no (no room)
     until(lambda: tier_of(s.w1), lambda tier: tier["demotions"] == 2 and tier["copying"] == 0)
     assert tier_of(s.w0)["full"] == 0 and s.ledger(0).metrics()["retained_blocks"] == 4  # hot, still retained
@@ -273,10 +255,10 @@ def test_a_demotion_asked_of_every_rank_moves_it_where_there_is_room_and_the_ttl
     assert s.engine.freed == ["d0"]
     got = fetch(whole, s.h1)
     assert got.action == "fetched", got
-    for layer in range(s.c0.geo.num_layers):  # reader heads 0-1 from rank 0 (hot), 2-3 from rank 1 (tier)
+    for layer in range(c0.geo.num_layers):  # reader heads 0-1 from rank 0 (hot), 2-3 from rank 1 (tier)
         read = mine.canonical(layer)[:, [20, 21, 22]]
-        assert np.array_equal(read[:, :, :, :2], s.c0.canonical(layer)[:, [4, 5, 6]])
-        assert np.array_equal(read[:, :, :, 2:], s.c1.canonical(layer)[:, [4, 5, 6]])
+        assert np.array_equal(read[:, :, :, :2], c0.canonical(layer)[:, [4, 5, 6]])
+        assert np.array_equal(read[:, :, :, 2:], c1.canonical(layer)[:, [4, 5, 6]])
     expire(s.w0)  # rank 0's hot TTL: its tier is still full (d0's read), so d1 ends there
     assert tier_of(s.w0)["full"] == 1
     until(s.engine.step, lambda _: "d1" in s.engine.freed)
