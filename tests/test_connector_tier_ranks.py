@@ -208,10 +208,10 @@ def test_a_reader_of_every_rank_is_refused_by_name_and_leaves_no_claim_open(deco
     a prefill at TP 2 has its rank 1 read rank 1's tier while its rank 0 is refused: vLLM recomputes from the
     first invalid block of the union on every rank, so the heads rank 1 read are computed again. Once rank 1 ended
     d1 too, it refuses as well."""
-    s = Setup(decode)
-    whole, _ = readers(0, tp_size=1, heads=HEADS)
+    whole, _ = readers(0, tp_size=1, heads=HEADS)  # (before the setup: its clock runs from there)
     pre0, _ = readers(0, engine="pre2")
     pre1, _ = readers(1, engine="pre2")
+    s = Setup(decode)
     s.w1.close_gate()
     expire(s.w0)
     expire(s.w1)
@@ -233,7 +233,8 @@ def test_a_reader_of_every_rank_is_refused_by_name_and_leaves_no_claim_open(deco
     assert s.ledger(1).metrics()["claims_in_flight"] == 0
     stats0, stats1 = s.w0.take_stats().data, s.w1.take_stats().data
     assert (stats0["tier.host.full"], stats0["tier.host.misses"], stats0["tier.host.demotions"]) == (1, 2, 1)
-    assert (stats1["tier.host.full"], stats1["tier.host.evictions"], stats1["tier.host.demotions"]) == (0, 1, 2)
+    assert (stats1["tier.host.full"], stats1["tier.host.evictions"], stats1["tier.host.demotions"],
+            stats1["tier.host.reads"]) == (0, 1, 2, 1)
     s.ledger(0).abort(s.pin.claim_id)
     s.settle()
     s.check_nothing_left()
@@ -249,8 +250,8 @@ def test_a_demotion_asked_of_every_rank_moves_it_where_there_is_room_and_the_ttl
     then on rank 1."""
     from kvshuttle.transfer import demote_retention
 
+    whole, mine = readers(0, tp_size=1, heads=HEADS)  # (before the setup: its clock runs from there)
     s = Setup(decode)
-    whole, mine = readers(0, tp_size=1, heads=HEADS)
     c0, c1 = s.w0.cache(), s.w1.cache()
     assert demote_retention(s.p1, secret=SECRET) is True  # rank 1 started; rank 0 said no (no room)
     until(lambda: tier_of(s.w1), lambda tier: tier["demotions"] == 2 and tier["copying"] == 0)
@@ -260,6 +261,7 @@ def test_a_demotion_asked_of_every_rank_moves_it_where_there_is_room_and_the_ttl
     assert s.engine.freed == ["d0"]
     got = fetch(whole, s.h1)
     assert got.action == "fetched", got
+    assert (tier_of(s.w0)["reads"], tier_of(s.w1)["reads"]) == (0, 1)  # rank 0 served it hot, rank 1 packed it
     for layer in range(c0.geo.num_layers):  # reader heads 0-1 from rank 0 (hot), 2-3 from rank 1 (tier)
         read = mine.canonical(layer)[:, [20, 21, 22]]
         assert np.array_equal(read[:, :, :, :2], c0.canonical(layer)[:, [4, 5, 6]])
