@@ -98,7 +98,7 @@ class Setup:
     """Decode ranks 0 and 1 (same config) under one scheduler; d0 landed in both tiers, d1 held hot on both, and
     a prefill rank's read of d0 in flight on rank 0 (its claim pins d0 there: rank 0's tier is full)."""
 
-    def __init__(self, decode: list[RankProcess]) -> None:
+    def __init__(self, decode: list[RankProcess], *, pin: bool = True) -> None:
         self.w0, self.w1 = decode
         self.engine = Engine(tp_scheduler(**TIER), [self.w0, self.w1])
         self.p0 = self.engine.finish("d0")
@@ -111,9 +111,10 @@ class Setup:
         self.engine.step()
         self.h0, self.h1 = handle_of(self.p0), handle_of(self.p1)
         assert self.ledger(0).get(self.h0.handle_id) is not None and self.ledger(1).get(self.h1.handle_id)
-        self.pin = self.ledger(0).claim(self.h0.handle_id, 0, reader=READER)
-        assert self.pin.tier == "host"
-        assert len(self.ledger(0).claimed_slots(self.pin.claim_id)) == 4  # what rank 0's owner packs the read from
+        if pin:
+            self.pin = self.ledger(0).claim(self.h0.handle_id, 0, reader=READER)
+            assert self.pin.tier == "host"
+            assert len(self.ledger(0).claimed_slots(self.pin.claim_id)) == 4  # rank 0's owner packs the read from
 
     def ledger(self, rank: int) -> Any:
         return (self.w0, self.w1)[rank].ledger
@@ -237,6 +238,21 @@ def test_a_reader_of_every_rank_is_refused_by_name_and_leaves_no_claim_open(deco
             stats1["tier.host.reads"]) == (0, 1, 2, 1)
     s.ledger(0).abort(s.pin.claim_id)
     s.settle()
+    s.check_nothing_left()
+
+
+def test_a_copy_that_fails_on_one_rank_ends_the_retention_on_every_rank(decode: list[RankProcess]) -> None:
+    """Both tiers have room (no read pins d0), but rank 1's copy of d1 fails: d1 ends there (with its TTL's
+    reason) while rank 0's copy lands, in the same step. Rank 0 must drop its copy too."""
+    s = Setup(decode, pin=False)
+    s.w1.fail_copies()
+    expire(s.w0)
+    expire(s.w1)
+    assert tier_of(s.w1)["failed_copies"] == 1 and s.ledger(1).get(s.h1.handle_id) is None
+    until(lambda: tier_of(s.w0), lambda tier: tier["copying"] == 0)
+    assert tier_of(s.w0)["demotions"] == 2  # landed on rank 0 (d0 evicted for it on both ranks)
+    s.settle()
+    assert s.ledger(0).get(s.h1.handle_id) is None, "rank 0's tier still serves d1, which rank 1 ended"
     s.check_nothing_left()
 
 

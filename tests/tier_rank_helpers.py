@@ -24,15 +24,18 @@ WORKER_CALLS = ("start", "finished", "worker_meta", "load_errors", "settle_layer
 
 
 class GatedTier(HostTier):
-    """A host tier whose demotion copies wait while ``closed`` (a slow copy): who reports first is the test's."""
+    """A host tier whose demotion copies wait while ``closed`` (a slow copy), so who reports first is the test's,
+    or fail while ``failing`` (as a copy that did not complete in time)."""
 
     def __init__(self, cache: Any, capacity_blocks: int) -> None:
         super().__init__(cache, capacity_blocks)
-        self.closed = False
+        self.closed = self.failing = False
         self.held: list[DemotionOrder] = []
 
     def demote(self, order: DemotionOrder) -> None:
-        if self.closed:
+        if self.failing:
+            order.done(False)
+        elif self.closed:
             self.held.append(order)
         else:
             super().demote(order)
@@ -81,6 +84,9 @@ def _rank_main(conn: Any, rank: int, tp_size: int, num_kv_heads: int, seed: int,
                     reply = call(*args["args"], **args["kwargs"])
                 elif command == "gate":
                     tier.closed = True
+                    reply = None
+                elif command == "fail":
+                    tier.failing = True
                     reply = None
                 elif command == "open":
                     tier.open()
@@ -138,6 +144,9 @@ class RankProcess(PipedProcess):
 
     def open_gate(self) -> None:
         self.call("open")
+
+    def fail_copies(self) -> None:
+        self.call("fail")
 
     def expire(self, after_s: float) -> None:
         """Its sweep at ``after_s`` from now (CLOCK_MONOTONIC is one clock for every process of a host)."""
