@@ -59,7 +59,7 @@ def _rank_main(conn: Any, rank: int, tp_size: int, num_kv_heads: int, seed: int,
     from kvshuttle.integrations.vllm import worker as worker_module
     from test_vllm_scheduler import BS, SECRET
 
-    worker_module.HostTier = GatedTier  # type: ignore[misc]  # (this process only)
+    worker_module.HostTier = GatedTier  # the worker builds its tier from this name (this process only)
     w = None
     try:
         config = ShuttleConfig.from_extra({"bidirectional_kv_xfer": True, **extra}, model="m")
