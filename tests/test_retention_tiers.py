@@ -173,6 +173,29 @@ def test_a_full_tier_ends_the_retention_with_a_named_reason() -> None:
     assert read(env, explicit).tier == "hot"
 
 
+def test_a_tier_whose_reads_pin_too_much_evicts_nothing_for_a_demotion_that_cannot_fit() -> None:
+    """A resident being read cannot go: when the others could not make room, none of them is evicted for a
+    retention that ends with ``tier_full`` anyway (at TP > 1 such an eviction ends them on every rank)."""
+    env = make(capacity=4)
+    a, b = retain(env, [1, 2], "a", "a"), retain(env, [3, 4], "b", "b")
+    for handle in (a, b):
+        env.ledger.demote(handle.handle_id)
+        env.land()
+    pin = env.ledger.claim(a.handle_id, a.generation)
+    c = retain(env, [5, 6, 7], "c", "c")
+    env.clock.now += TTL
+    env.ledger.sweep()
+    assert env.orders == [] and (env.tier()["full"], env.tier()["evictions"]) == (1, 0)
+    assert read(env, b).tier == "host"
+    with pytest.raises(HandleTierFullError):
+        env.ledger.claim(c.handle_id, c.generation)
+    env.ledger.abort(pin.claim_id)
+    d = retain(env, [8, 9, 10], "d", "d")  # with a's read over, both residents can make room
+    env.ledger.demote(d.handle_id)
+    env.land()
+    assert (env.tier()["evictions"], env.tier()["blocks"]) == (2, 3)
+
+
 def test_the_tier_evicts_in_its_own_order() -> None:
     env = make(capacity=4)
     a, b = retain(env, [1, 2], "a", "a"), retain(env, [3, 4], "b", "b")

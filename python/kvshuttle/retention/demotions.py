@@ -4,8 +4,9 @@ into the tier of its terms instead (``tiers.py``).
 Mixed into :class:`~kvshuttle.retention.ledger.RetentionLedger`, which owns every piece of state used here and
 runs every method under its lock. The rules:
 
-* The ledger takes tier slots (the tier's own victims, in the tier's eviction order, go first; without room the
-  retention ends with ``tier_full``, or stays hot when ``demote`` asked) and, after its lock, hands a
+* The ledger takes tier slots (the tier's own victims, in the tier's eviction order, go first, but none when all
+  of them would not make room: slots being read or copied into stay; without room the retention ends with
+  ``tier_full``, or stays hot when ``demote`` asked) and, after its lock, hands a
   :class:`~kvshuttle.retention.tiers.Demotion` to ``on_demote`` (the tier memory's copier).
 * The hot blocks go back (``on_free``, ``on_release``) only when the copier reports the copy complete
   (``demoted``). Meanwhile the handle is live but its claims and renewals are refused (``demoting``); a demotion of
@@ -48,6 +49,7 @@ class Demotions:
     _on_demote: Callable[[Demotion], object] | None
     _evictable: EvictionPolicy
     _handles: dict[str, RetainedRecord]
+    _reading: set[RetainedRecord]  # handles with reads in flight (ended ones too, until their reads end)
     _expiry: DeadlineHeap[RetainedRecord]
     _clock: Callable[[], float]
 
@@ -117,7 +119,7 @@ class Demotions:
         """Take tier slots (the tier's own victims go first) and ask for the copy after the lock."""
         assert self._tier is not None and handle.demote is not None
         tier, count, reason = self._tier, len(handle.block_ids), handle.demote
-        if tier.fits(count):
+        if count <= self._room(tier):  # else evicting would end residents and still not make room
             while tier.free < count and len(tier.evictable):
                 self._end(self._handles[tier.evictable.victim()], "tier_evicted")
         if tier.free < count:
@@ -131,6 +133,11 @@ class Demotions:
         self._copying[handle.handle_id] = handle
         self._orders.append(Demotion(handle.handle_id, handle.block_ids, handle.slots,
                                      functools.partial(self.demoted, handle.handle_id)))
+
+    def _room(self, tier: TierSlots) -> int:
+        """The slots free or held by evictable residents: every slot but those read or copied into now."""
+        held = sum(len(h.slots) for h in self._reading) + sum(len(h.slots) for h in self._copying.values())
+        return tier.terms.capacity_blocks - held
 
     def _keep_hot(self, handle: RetainedRecord) -> None:
         """An asked demotion that did not happen: evictable and swept again as before."""

@@ -416,8 +416,10 @@ class ShuttleScheduler:
         ``ended``: requests whose retention ended on some rank (``ShuttleWorkerMeta``). With tensor parallelism
         the next step tells every rank to end them too, so that an eviction, release, expiry or use-once read
         on one rank frees the blocks (vLLM frees them when every rank reported) and no rank serves a handle
-        another rank dropped. ``landed``: the layered loads each rank settled whole in the step reported (with
-        ``invalid_block_ids``, what the prefix-cache guard needs to release or drop their blocks)."""
+        another rank dropped; with a host tier also when the end comes in the very report that frees the request
+        (another rank's report may be its landing). ``landed``: the layered loads each rank settled whole in the
+        step reported (with ``invalid_block_ids``, what the prefix-cache guard needs to release or drop their
+        blocks)."""
         if self.sync_loads is not None:
             self.sync_loads.settle(landed, invalid_block_ids)
         ends = set(ended or ())
@@ -445,7 +447,11 @@ class ShuttleScheduler:
                 if handle_id is not None:
                     self.lookups.withdraw(handle_id)
         if self.tp_size > 1 and self._terms.tier is not None:  # freed by a landing, not an end: may live on
-            self._tiered.update((sending & self._held) - self._ending - ends)
+            freed = (sending & self._held) - self._ending
+            self._tiered.update(freed - ends)
+            # Ended on some rank in the report that frees it: another rank's report may be a landing (its tier
+            # still holds a copy no reader can use), so every rank ends it.
+            self._releases.extend(sorted(freed & ends))
         self._held -= sending
         self._ending -= sending
         self._awaiting -= recving
