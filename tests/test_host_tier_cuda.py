@@ -144,7 +144,7 @@ def _owner_main(conn: Any, seed: int) -> None:
     try:
         geo = GEOS["flash_nhd"]
         cache, _ = gpu_cache(build_cache(geo, seed), "torch")  # as vLLM holds it
-        tier = HostTier(cache, CAPACITY)
+        tier = HostTier(cache, geo.num_blocks)  # room for every case's retention
         engine = TransferEngine(cache, EngineConfig(), tier=tier)
         address, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
         freed: list[int] = []
@@ -156,7 +156,7 @@ def _owner_main(conn: Any, seed: int) -> None:
             torch.cuda.synchronize()
 
         ledger = RetentionLedger("decode", address, int(port), terms=RetentionTerms(
-            ttl_s=100.0, tier=TierTerms(CAPACITY, 1000.0)), on_free=reuse, on_demote=tier.demote,
+            ttl_s=100.0, tier=TierTerms(geo.num_blocks, 1000.0)), on_free=reuse, on_demote=tier.demote,
             bytes_per_block=tier.block_bytes)
         engine.claims = ledger
         conn.send(("ready", engine.address))
@@ -206,15 +206,18 @@ def owner() -> Iterator[GpuTierOwner]:
         process.close()
 
 
-@pytest.mark.parametrize("reader_device", ["cuda", "cpu"])
-def test_a_tier_claim_of_a_gpu_owner_reads_back_exactly(owner: GpuTierOwner, reader_device: str) -> None:
+READS = [("cuda", "packed"), ("cuda", "direct"), ("cpu", "packed")]
+
+
+@pytest.mark.parametrize(("reader_device", "path"), READS)
+def test_a_tier_claim_of_a_gpu_owner_reads_back_exactly(owner: GpuTierOwner, reader_device: str, path: str) -> None:
     from kvshuttle.transfer import EngineConfig, TransferEngine
 
     geo = GEOS["flash_nhd"]
-    rng = np.random.default_rng(len(reader_device))
+    case = READS.index((reader_device, path))
+    rng = np.random.default_rng(case)
     # blocks of their own per case: a demotion hands its hot blocks to the allocator, which zeroes them for good
-    own = np.arange(8) + (0 if reader_device == "cuda" else 8)
-    blocks = [int(b) for b in rng.permutation(own)[:5]]
+    blocks = [int(b) for b in rng.permutation(np.arange(5) + 5 * case)]
     handle = owner.call("retain", blocks=blocks, num_tokens=5 * geo.block_size - 3)
     ok, metrics, freed = owner.call("demote", handle_id=handle.handle_id, timeout=40.0)
     tier = metrics["tiers"]["host"]  # the module's owner: 5 blocks per test so far
@@ -226,8 +229,10 @@ def test_a_tier_claim_of_a_gpu_owner_reads_back_exactly(owner: GpuTierOwner, rea
         peer = engine.connect(owner.address)
         ticket = engine.claim(peer, handle)
         assert ticket.tier == "host"
-        engine.read(peer, local, list(ticket.block_ids), num_tokens=handle.num_tokens, path="packed",
-                    claim=ticket).wait(30)
+        read = engine.read(peer, local, list(ticket.block_ids), num_tokens=handle.num_tokens, path=path,
+                           claim=ticket)
+        read.wait(30)
+        assert read.path == path  # direct: the tier's slots in the owner's host memory, into VRAM
         engine.finish_claim(peer, ticket, ok=True)
     got = HostCache(geo, [r.get() if reader_device == "cuda" else r for r in raws])
     want = build_cache(geo, GpuTierOwner.SEED)

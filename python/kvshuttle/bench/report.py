@@ -340,10 +340,11 @@ def clients(results: Results) -> Table:
 
 
 def gpu_tier(results: Results) -> Table:
-    """The host tier on a GPU (``bench transfer --device cuda --host-tier``): its packed read against the hot
-    cache's reads and one host-to-device copy, its demotion against one device-to-host copy, same bytes."""
-    table = Table("gpu_tier", "Host tier on a GPU", ("shape", "MiB", "tier / hot direct", "tier / hot packed",
-                                                     "tier / H2D copy", "demotion / D2H copy"))
+    """The host tier on a GPU (``bench transfer --device cuda --host-tier``): its direct and packed reads against
+    the hot cache's, its demotion against one device-to-host copy of the same bytes."""
+    table = Table("gpu_tier", "Host tier on a GPU", ("shape", "MiB", "tier direct / hot direct",
+                                                     "tier packed / hot direct", "tier packed / hot packed",
+                                                     "demotion / D2H copy"))
     name = "h200_tier_cuda.json"
     rows = [r for r in results.rows(name) if r.get("host_tier")]
     if not rows:
@@ -351,9 +352,8 @@ def gpu_tier(results: Results) -> Table:
     for i, row in enumerate(rows):
         where = f"{name}: host tier row {i}"
         cells = (str(get(row, "shape", where)), f"{number(row, 'bytes', where) / 2**20:g}")
-        ratios = {h: ratio(row, k, where) for h, k in zip(table.header[2:], ("tier_vs_hot_direct", "tier_vs_hot_packed",
-                                                                             "tier_vs_h2d", "demotion_vs_d2h"),
-                                                      strict=True)}
+        keys = ("tier_direct_vs_hot_direct", "tier_vs_hot_direct", "tier_vs_hot_packed", "demotion_vs_d2h")
+        ratios = {h: ratio(row, k, where) for h, k in zip(table.header[2:], keys, strict=True)}
         table.rows.append(Row(" ".join(cells), (*cells, *map(str, ratios.values())), ratios, name))
     return table
 

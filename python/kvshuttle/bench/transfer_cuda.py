@@ -254,9 +254,10 @@ def _tier_row(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
             fns: dict[str, Callable[[], object]] = {
                 "hot_direct": functools.partial(_claimed, reader, lids, hot, "direct"),
                 "hot_packed": functools.partial(_claimed, reader, lids, hot, "packed"),
-                "tier_packed": functools.partial(_claimed, reader, lids, tiered, "packed"), "h2d_copy": h2d_copy}
+                "tier_packed": functools.partial(_claimed, reader, lids, tiered, "packed"),
+                "tier_direct": functools.partial(_claimed, reader, lids, tiered, "direct"), "h2d_copy": h2d_copy}
             verified = {}
-            for name in ("hot_direct", "hot_packed", "tier_packed"):  # one byte check each, into a zeroed cache
+            for name in ("hot_direct", "hot_packed", "tier_packed", "tier_direct"):  # one byte check each
                 reader.buffer.fill(0)
                 cupy.cuda.Device().synchronize()
                 fns[name]()
@@ -276,7 +277,8 @@ def _tier_row(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
 
 
 TIER_PAIRS = {"tier_vs_hot_direct": ("tier_packed", "hot_direct"), "tier_vs_hot_packed": ("tier_packed", "hot_packed"),
-              "tier_vs_h2d": ("tier_packed", "h2d_copy"), "demotion_vs_d2h": ("demotion", "d2h_copy")}
+              "tier_direct_vs_hot_direct": ("tier_direct", "hot_direct"), "tier_vs_h2d": ("tier_packed", "h2d_copy"),
+              "demotion_vs_d2h": ("demotion", "d2h_copy")}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
