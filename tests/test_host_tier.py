@@ -388,6 +388,7 @@ def test_an_owner_without_a_tier_refuses_a_demotion_by_name() -> None:
         assert ledger.metrics()["retained_blocks"] == 2
         outsider = Connection(zmq.Context.instance(), engine.address or "", secret=DeploymentSecret(b"o" * 40))
         try:
+            time.sleep(0.5)  # its handshake failed and its pipe is gone (unread by the monitor) before it sends
             with pytest.raises(PeerAuthError):  # without the deployment secret: no handshake, no op
                 ask_demotion(outsider, handle, 3.0)
         finally:

@@ -45,6 +45,7 @@ Handler = Callable[[bytes, dict[str, Any]], "dict[str, Any] | None"]
 _ids = itertools.count()
 ZAP_DOMAIN = "kvshuttle"
 CLIENT_MAX_MESSAGE_BYTES = 64 << 20  # what a reader accepts from an authenticated owner (handshake metadata)
+SEND_EXPLAIN_S = 0.2  # how long a failed send waits for the monitor to say why (see Connection.send)
 
 
 class _DeploymentKeys:
@@ -354,7 +355,16 @@ class Connection:
     def send(self, message: dict[str, Any]) -> None:
         try:
             self._socket.send(encode(message), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # a full queue to a peer that stopped reading, or a closed socket
+        except zmq.ZMQError as exc:  # a full queue to a peer that stopped reading, a dropped pipe, a closed socket
+            # A failed handshake or a refusal drops the pipe before its monitor event is read: give the link a
+            # moment to say why (PeerAuthError says which secret to set), else the peer is lost.
+            deadline = time.monotonic() + SEND_EXPLAIN_S
+            while True:
+                self._raise_if_dead("a send")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._monitor.poll(max(1, int(left * 1000)))
             raise PeerLostError(f"cannot send to {self.address}: {exc}") from exc
 
     def receive(self, timeout: float, what: str = "a message") -> dict[str, Any] | None:
