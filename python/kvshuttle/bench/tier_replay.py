@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.9,
                         help="the decode's retention budget (share of its KV blocks; the default 0.25 would cap the "
                              "single run's peak)")
+    parser.add_argument("--reads", choices=("multi_read", "use_once"), default="multi_read",
+                        help="the decode's kvshuttle_reads: use_once ends a retention at its read (the planner's "
+                             "model), multi_read (the default) keeps it for its TTL")
     parser.add_argument("--sample-ms", type=int, default=200, help="gauge sampling interval")
     parser.add_argument("--profile", default="measured", help="the planner's cost profile")
     parser.add_argument("--aiperf", default="", help="aiperf 0.13.0's executable (default: bench clients')")
@@ -212,7 +215,8 @@ def _run(name: str, seed: int, args: argparse.Namespace, live: list[dict[str, An
     data.write_text("".join(json.dumps(r) + "\n" for r in live))
     deployment = clients.Deployment(model, folder, hot_ttl=hot_ttl, tier_blocks=0 if single else args.tier_blocks,
                                     tier_ttl=None if single else args.tier_ttl,
-                                    decode_extra={"kvshuttle_retention_budget_fraction": args.budget_fraction}).start()
+                                    decode_extra={"kvshuttle_retention_budget_fraction": args.budget_fraction,
+                                                  "kvshuttle_reads": args.reads}).start()
     try:
         home = clients.hf_home(model, folder)
         router, url = deployment.router(folder / "router.log", [])
@@ -272,7 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"tokens; gaps x {args.time_scale:g}, <= {args.max_gap_s:g} s; sessions {args.stagger_s:g} s apart) "
             "through kvshuttle router into a fresh prefill (prefix cache off, core 0) and decode (core 1) per run, "
             f"vllm serve, tiny random Llama; single: hot TTL {args.long_ttl:g} s; tiered: {args.hot_ttl:g} s then "
-            f"{args.tier_blocks} host blocks; retention budget {args.budget_fraction:g} of the decode's blocks; "
+            f"{args.tier_blocks} host blocks; retention budget {args.budget_fraction:g} of the decode's blocks, "
+            f"reads {args.reads}; "
             f"decode gauges sampled every {args.sample_ms} ms; predicted: kvshuttle "
             f"plan (reverse_read, profile {args.profile}) on the same turns; shortened trace in the log dir")
     return envelope("tier-replay", args, add_arguments, results, note=note, started=started,
