@@ -18,6 +18,9 @@ tiny model, a different ``--random-seed`` per row (different prompts: no row fin
   (``--hot-ttl``): every history has moved to the decode's host tier (``--tier-blocks``) and is read back from
   there (the other rows' short gaps stay within the hot TTL).
 
+No row for vLLM's own ``OffloadingConnector``: its CPU tier refuses to start on a CPU engine (``CPUOffloadingSpec.
+get_worker``: "only supported on CUDA-alike and XPU GPUs"; benchmarks/README.md has the evidence).
+
 Per row: turns, later turns that reused (the prefill's ``kvshuttle: request ... read N tokens`` log lines),
 tokens read back, the router's own counts, TTFT p50 from aiperf's ``profile_export_aiperf.json``, reused turns
 over the body row's, TTFT over the recompute row's, and a sample of answers (each session's last turn from
