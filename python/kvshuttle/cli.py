@@ -19,6 +19,7 @@ BENCHES = {
     "router": "kvshuttle.bench.router",
     "placement": "kvshuttle.bench.e2e.placement",
     "clients": "kvshuttle.bench.clients",
+    "tier-replay": "kvshuttle.bench.tier_replay",
     "retokenize": "kvshuttle.bench.retokenize",
     "report": "kvshuttle.bench.report",
 }

@@ -18,6 +18,9 @@ tiny model, a different ``--random-seed`` per row (different prompts: no row fin
   (``--hot-ttl``): every history has moved to the decode's host tier (``--tier-blocks``) and is read back from
   there (the other rows' short gaps stay within the hot TTL).
 
+No row for vLLM's own ``OffloadingConnector``: its CPU tier refuses to start on a CPU engine (``CPUOffloadingSpec.
+get_worker``: "only supported on CUDA-alike and XPU GPUs"; benchmarks/README.md has the evidence).
+
 Per row: turns, later turns that reused (the prefill's ``kvshuttle: request ... read N tokens`` log lines),
 tokens read back, the router's own counts, TTFT p50 from aiperf's ``profile_export_aiperf.json``, reused turns
 over the body row's, TTFT over the recompute row's, and a sample of answers (each session's last turn from
@@ -166,7 +169,7 @@ def format_table(result: dict[str, Any]) -> str:
 # --- the live run (needs vLLM, redis-server and aiperf) -----------------------------------------------------
 
 
-class _Redis:
+class RedisServer:
     """A throwaway ``redis-server`` on a free port (no persistence)."""
 
     def __init__(self, folder: Path) -> None:
@@ -201,7 +204,7 @@ class _Redis:
             self.proc.wait(10)
 
 
-def _hf_home(model: str, folder: Path) -> Path:
+def hf_home(model: str, folder: Path) -> Path:
     """A Hugging Face cache holding the model's tokenizer as ``local/tok`` (aiperf resolves tokenizers through
     the hub cache even offline; a plain directory fails)."""
     home = folder / "hfhome"
@@ -269,12 +272,98 @@ def _recompute(prefill_url: str, messages: list[dict[str, Any]], tokens: int, sa
         return str(json.loads(reply.read())["choices"][0]["message"]["content"] or "")
 
 
-def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[str, Any]], deployment: Any,
-             logs: Path, hf_home: Path) -> dict[str, Any]:
-    from .e2e.deployment import router_counts, start_router
+def aiperf_profile(aiperf: str, url: str, data: Path, artifacts: Path, seed: int, log: Path, home: Path, *,
+                   affinity: bool = True, extra: list[str] | None = None) -> int:
+    """``aiperf profile`` of the ``mooncake_trace`` rows in ``data`` against ``url`` (streamed chat, greedy,
+    ``ignore_eos``, raw export into ``artifacts``), offline on the tokenizer :func:`hf_home` registered; its exit
+    code. ``affinity`` False turns aiperf's X-Session-Affinity header off (then only a header named on purpose, or
+    none, names the session)."""
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if not affinity:
+        env["AIPERF_HTTP_X_SESSION_AFFINITY_FROM_CORRELATION_ID"] = "false"
+    argv = [aiperf, "profile", "--model", "tiny", "--tokenizer", "local/tok", "--url", url,
+            "--endpoint-type", "chat", "--streaming", "--input-file", str(data),
+            "--custom-dataset-type", "mooncake_trace", "--extra-inputs", "ignore_eos:true",
+            "--extra-inputs", "temperature:0", "--random-seed", str(seed), "--export-level", "raw",
+            "--artifact-dir", str(artifacts), "--ui-type", "none", *(extra or [])]
+    with open(log, "wb") as out:
+        return subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+
+
+def prefill_reads(log_path: Path, offset: int) -> list[int]:
+    """Tokens of each reverse read the prefill logged after byte ``offset`` of its log."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        f.seek(offset)
+        return read_lines(f.read())
+
+
+def aiperf_turns(artifacts: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """aiperf's ``profile_export_aiperf.json`` (or {}) and its raw export's turns (:func:`raw_turns`)."""
+    profile_path = next(artifacts.rglob("profile_export_aiperf.json"), None)
+    raw_path = next(artifacts.rglob("profile_export_raw.jsonl"), None)
+    return (json.loads(profile_path.read_text()) if profile_path else {},
+            raw_turns(raw_path.read_text().splitlines()) if raw_path else [])
+
+
+class Deployment:
+    """One prefill (prefix cache off, core 0) and one decode (core 1) ``vllm serve``, both with the content index in
+    a throwaway redis-server (also the router's store); the decode keeps a finished request's blocks ``hot_ttl``
+    seconds, then in a host tier of ``tier_blocks`` blocks (0: none) for ``tier_ttl`` seconds (None: the default);
+    ``decode_extra``: more of the decode's connector options. :meth:`start`, then :meth:`close`."""
+
+    def __init__(self, model: str, logs: Path, *, hot_ttl: float, tier_blocks: int, tier_ttl: float | None = None,
+                 decode_extra: dict[str, Any] | None = None) -> None:
+        from .e2e.engines import free_port, shuttle_transfer_config
+        from .e2e.serve import ServedEngine, ServeSpec
+
+        self.redis = RedisServer(logs)
+        self.kv_port = free_port()
+        # aiperf's own processes oversubscribe the cores: the README's advice, a longer heartbeat timeout
+        index: dict[str, Any] = {"kvshuttle_content_index": self.redis.url, "kvshuttle_content_index_wait_s": 1.0,
+                                 "kvshuttle_peer_timeout_s": 10.0}
+        tier: dict[str, Any] = {"decoder_kv_blocks_ttl": hot_ttl, **(decode_extra or {})}
+        if tier_blocks:
+            tier["kvshuttle_host_tier_blocks"] = tier_blocks
+            if tier_ttl is not None:
+                tier["kvshuttle_host_tier_ttl_s"] = tier_ttl
+        self.prefill = ServedEngine(ServeSpec(model=model, name="prefill", enable_prefix_caching=False,
+                                              cpu_cores=(0,), kv_transfer_config=shuttle_transfer_config(**index),
+                                              log_path=str(logs / "prefill.log")))
+        self.decode = ServedEngine(ServeSpec(
+            model=model, name="decode", cpu_cores=(1 % (os.cpu_count() or 1),),
+            kv_transfer_config=shuttle_transfer_config(kvshuttle_port=self.kv_port, **index, **tier),
+            log_path=str(logs / "decode.log")))
+
+    def start(self) -> Deployment:
+        try:
+            for engine in (self.prefill, self.decode):
+                engine.launch()
+            for engine in (self.prefill, self.decode):
+                engine.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def router(self, log: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+        """``kvshuttle router`` in front of both engines, on the same redis store (process, URL)."""
+        from .e2e.deployment import start_router
+
+        return start_router([self.prefill], self.decode, self.kv_port, log,
+                            ["--store", "redis", "--redis-url", self.redis.url, *extra])
+
+    def close(self) -> None:
+        for engine in (self.prefill, self.decode):
+            engine.close()
+        self.redis.stop()
+
+
+def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[str, Any]], deployment: Deployment,
+             logs: Path, home: Path) -> dict[str, Any]:
+    from .e2e.deployment import router_counts
     from .e2e.engines import kill_group
 
-    prefill, decode, kv_port, redis = deployment
+    prefill, decode = deployment.prefill, deployment.decode
     spec = ROWS[name]
     rows = convert(trace, sessions=args.sessions, turns=args.turns, first_tokens=args.first_tokens,
                    turn_tokens=args.turn_tokens, answer_tokens=args.answer_tokens,
@@ -282,35 +371,22 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
                    key=spec["key"], keyed_turns=args.keyed_turns, prefix=f"{name}{seed}")
     data = logs / f"{name}.aiperf.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    router, url = start_router([prefill], decode, kv_port, logs / f"router-{name}.log",
-                               ["--store", "redis", "--redis-url", redis.url, *spec["router"]])
-    log_path = Path(prefill.spec.log_path)
+    router, url = deployment.router(logs / f"router-{name}.log", spec["router"])
+    log_path = Path(prefill.spec.log_path or "")
     offset = log_path.stat().st_size
     tier_before = tier_counts(decode.metrics())
     artifacts = logs / f"aiperf-{name}"
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if name != "body" and name != "recompute":  # only the header named on purpose (or none) names the session
-        env["AIPERF_HTTP_X_SESSION_AFFINITY_FROM_CORRELATION_ID"] = "false"
-    argv = [args.aiperf, "profile", "--model", "tiny", "--tokenizer", "local/tok", "--url", url,
-            "--endpoint-type", "chat", "--streaming", "--input-file", str(data),
-            "--custom-dataset-type", "mooncake_trace", "--extra-inputs", "ignore_eos:true",
-            "--extra-inputs", "temperature:0", "--random-seed", str(seed), "--export-level", "raw",
-            "--artifact-dir", str(artifacts), "--ui-type", "none", *spec["aiperf"]]
     try:
-        with open(logs / f"aiperf-{name}.log", "wb") as out:
-            code = subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
+        # only the header named on purpose (or none) names the session in the other rows
+        code = aiperf_profile(args.aiperf, url, data, artifacts, seed, logs / f"aiperf-{name}.log", home,
+                              affinity=name in ("body", "recompute"), extra=spec["aiperf"])
         sessions = router_counts(url, "session_keys", "source")
         tier_after = tier_counts(decode.metrics())
         placements = router_counts(url)
     finally:
         kill_group(router.pid)
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        f.seek(offset)
-        reads = read_lines(f.read())
-    profile_path = next(artifacts.rglob("profile_export_aiperf.json"), None)
-    profile = json.loads(profile_path.read_text()) if profile_path else {}
-    raw_path = next(artifacts.rglob("profile_export_raw.jsonl"), None)
-    turns = raw_turns(raw_path.read_text().splitlines()) if raw_path else []
+    reads = prefill_reads(log_path, offset)
+    profile, turns = aiperf_turns(artifacts)
     samples = last_turns(turns)
     equal = sum(t["answer"] == _recompute(prefill.url, t["messages"], int(t["max_tokens"] or args.answer_tokens),
                                           f"ref-{name}-{i}") for i, t in enumerate(samples))
@@ -326,9 +402,6 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from .e2e.engines import free_port, shuttle_transfer_config
-    from .e2e.serve import ServedEngine, ServeSpec
-
     started = time.perf_counter()
     names = [n for n in args.rows.split(",") if n]
     if unknown := [n for n in names if n not in ROWS]:
@@ -344,31 +417,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = str(build_tiny_llama(assets_root() / "tiny-llama"))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-clients-"))
     logs.mkdir(parents=True, exist_ok=True)
-    redis = _Redis(logs)
-    kv_port = free_port()
-    # aiperf's own processes oversubscribe the cores: the README's advice, a longer heartbeat timeout
-    index: dict[str, Any] = {"kvshuttle_content_index": redis.url, "kvshuttle_content_index_wait_s": 1.0,
-             "kvshuttle_peer_timeout_s": 10.0}
-    tier = {"decoder_kv_blocks_ttl": args.hot_ttl, "kvshuttle_host_tier_blocks": args.tier_blocks}
-    prefill = ServedEngine(ServeSpec(model=model, name="prefill", enable_prefix_caching=False, cpu_cores=(0,),
-                                     kv_transfer_config=shuttle_transfer_config(**index),
-                                     log_path=str(logs / "prefill.log")))
-    decode = ServedEngine(ServeSpec(model=model, name="decode", cpu_cores=(1 % (os.cpu_count() or 1),),
-                                    kv_transfer_config=shuttle_transfer_config(kvshuttle_port=kv_port, **index, **tier),
-                                    log_path=str(logs / "decode.log")))
+    deployment = Deployment(model, logs, hot_ttl=args.hot_ttl, tier_blocks=args.tier_blocks).start()
     results = []
     try:
-        for engine in (prefill, decode):
-            engine.launch()
-        for engine in (prefill, decode):
-            engine.wait_ready()
-        hf_home = _hf_home(model, logs)
+        home = hf_home(model, logs)
         for i, name in enumerate(names):
-            results.append(_run_row(name, 1000 + i, args, trace, (prefill, decode, kv_port, redis), logs, hf_home))
+            results.append(_run_row(name, 1000 + i, args, trace, deployment, logs, home))
     finally:
-        for engine in (prefill, decode):
-            engine.close()
-        redis.stop()
+        deployment.close()
     summarise(results)
     note = (f"aiperf 0.13.0 replaying the first {args.sessions} sessions x {args.turns} turns of {TRACE} (lengths "
             f"capped: first prompt {args.first_tokens}, later {args.turn_tokens}, answers {args.answer_tokens} "

@@ -358,9 +358,36 @@ def gpu_tier(results: Results) -> Table:
     return table
 
 
+def tier_replay(results: Results) -> Table:
+    """The shortened live Claude Code replay: each run's hit rate and the decode's hot peak, measured and as the
+    planner predicts it on the same turns; the hot peak over the single-tier run's."""
+    name = "vm5_tier_replay.json"
+    table = Table("tier_replay", "Live replay against the planner's tiers", (
+        "run", "hot TTL s", "later turns", "hit rate (plan)", "host-tier reads", "hot peak blocks (plan)",
+        "hot peak / single (plan)"))
+    rows = {str(get(row, "row", f"{name}: results[{i}]")): row for i, row in enumerate(results.rows(name))}
+    if "single" not in rows:
+        raise ReportError(f"{name}: no 'single' row to compare with")
+    base = number(rows["single"], "hot_peak_blocks", f"{name}: single")
+    plan_base = number(get(rows["single"], "predicted", f"{name}: single"), "hot_peak_blocks", f"{name}: single")
+    for label, row in rows.items():
+        where = f"{name}: {label}"
+        plan = get(row, "predicted", where)
+        peak, plan_peak = number(row, "hot_peak_blocks", where), number(plan, "hot_peak_blocks", where)
+        share = Ratio(peak / base) if base else Ratio(0.0)
+        plan_share = Ratio(plan_peak / plan_base) if plan_base else Ratio(0.0)
+        cells = (label, f"{number(row, 'hot_ttl_s', where):g}", f"{int(number(row, 'later_turns', where))}",
+                 f"{number(row, 'hit_rate', where):.2f} ({number(plan, 'hit_rate', where):.2f})",
+                 f"{int(number(get(row, 'tier', where), 'reads', where))}", f"{peak:.0f} ({plan_peak:.0f})",
+                 f"{share} ({plan_share})")
+        table.rows.append(Row(label, cells, {"hot peak / single": share}, name))
+    return table
+
+
 TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
-    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients, "gpu_tier": gpu_tier,
+    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients,
+    "tier_replay": tier_replay, "gpu_tier": gpu_tier,
 }
 # A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".
 BLOCK = re.compile(r"<!-- report:(?P<name>[a-z0-9_]+) -->\n(?P<body>(?:(?!<!-- /?report).)*?)\n?<!-- /report -->", re.S)
