@@ -114,8 +114,10 @@ class ShuttleWorker:
         if terms.tier is not None and cache.is_cuda:  # a demotion there would free blocks no reader can read
             raise ConnectorConfigError("kvshuttle_host_tier_blocks: a host tier is served on CPU caches only (a GPU "
                                        "owner cannot pack reads from it yet); set it to 0 on this engine")
+        g = cache.geometry
+        bytes_per_block = g.block_size * g.bytes_per_token
         before = thread_ids()
-        self.tier = HostTier(cache, terms.tier.capacity_blocks) if terms.tier is not None else None
+        self.tier = HostTier(cache, terms.tier.blocks(bytes_per_block)) if terms.tier is not None else None
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s,
@@ -125,10 +127,9 @@ class ShuttleWorker:
         self._pin_transfer_threads(loader=False)  # (never this thread: it is the engine's)
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        g = cache.geometry
         budget = c.retention_budget(g.num_blocks)
         self.ledger = RetentionLedger(self.engine_id, c.advertise_host or host, int(port), terms=terms,
-                                      budget_blocks=budget, bytes_per_block=g.block_size * g.bytes_per_token,
+                                      budget_blocks=budget, bytes_per_block=bytes_per_block,
                                       on_release=self._on_release, on_end=self._on_end,
                                       on_demote=self.tier.demote if self.tier is not None else None)
         self.engine.claims = self.ledger
