@@ -116,6 +116,12 @@ class DiskTier:
         self.failed = 0  # failed spills (a full disk...)
         self._closed = False
 
+    @property
+    def busy(self) -> int:
+        """Writes and removals not finished yet."""
+        with self._lock:
+            return sum(1 for event in self._pending if not event.is_set())
+
     def path(self, handle_id: str) -> Path:
         return self.dir / f"{file_key(handle_id).hex()}.kv"
 
