@@ -179,8 +179,10 @@ class DiskTier:
         return tier_cache(buffer, self.host.hot, buffer.nbytes // self.block_bytes)
 
     def close(self) -> None:
-        """Let writes in flight finish (each reports), then remove this process's directory."""
+        """Let writes in flight finish (each reports), then remove this process's directory. Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             pending = list(self._pending)
         deadline = time.monotonic() + CLOSE_WAIT_S
