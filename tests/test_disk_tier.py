@@ -347,16 +347,21 @@ def test_a_restart_removes_what_a_dead_process_left_and_never_a_live_ones(tmp_pa
         live = Holder(tmp_path)  # a restart: its start removes the dead one's directory
         assert {p.name for p in tmp_path.iterdir()} == {live.dir}
         (tmp_path / "operator-notes").mkdir()  # not the tier's: never touched
+        starting, stale = tmp_path / "kvshuttle-disk-starting", tmp_path / "kvshuttle-disk-stale"
+        starting.mkdir()  # no lock file yet: a process starting now (kept), or one that died starting (removed)
+        stale.mkdir()
+        os.utime(stale, (time.time() - 120, time.time() - 120))
         tier = HostTier(make_cache(np.random.default_rng(1), GEOS["flash_nhd"]).cache(), 2)
         mine = DiskTier(tier, tmp_path)
-        assert mine.removed_at_start == 0  # the live holder's lock is held
-        assert {p.name for p in tmp_path.iterdir()} == {live.dir, mine.dir.name, "operator-notes"}
+        assert mine.removed_at_start == 1  # the stale one; the live holder's lock is held
+        kept = {live.dir, starting.name, "operator-notes"}
+        assert {p.name for p in tmp_path.iterdir()} == {*kept, mine.dir.name}
         mine.close()
-        assert {p.name for p in tmp_path.iterdir()} == {live.dir, "operator-notes"}
+        assert {p.name for p in tmp_path.iterdir()} == kept
         live.kill()
         again = DiskTier(tier, tmp_path)
-        assert again.removed_at_start == 1 and {p.name for p in tmp_path.iterdir()} == {again.dir.name,
-                                                                                         "operator-notes"}
+        assert again.removed_at_start == 1
+        assert {p.name for p in tmp_path.iterdir()} == {again.dir.name, starting.name, "operator-notes"}
         again.close()
         with pytest.raises(DiskTierError, match="not a writable directory"):
             DiskTier(tier, tmp_path / "missing")

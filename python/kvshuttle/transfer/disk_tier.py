@@ -15,8 +15,9 @@ never gets other bytes; the owner then ends the retention (``tier_lost``).
 
 Files live in a directory of this process's own under the directory the operator names (never a peer: nothing on
 the side channel names a path), ``kvshuttle-disk-*``, with a lock file held (``flock``) while the process lives.
-A start removes the directories whose lock is free (their process died), and :meth:`close` removes its own: nothing
-is left behind after a restart. NIXL's POSIX plugin is not used: plain ``os.write``/``os.preadv`` (issue 35).
+A start removes the directories whose lock is free (their process died), and :meth:`close` (or the interpreter's
+exit, or the object's collection) removes its own: nothing is left behind after a restart. NIXL's POSIX plugin is
+not used: plain ``os.write``/``os.preadv`` (issue 35).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import struct
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -67,21 +69,32 @@ def remove_dead(directory: Path) -> int:
         if not entry.name.startswith(PREFIX) or entry.is_symlink() or not entry.is_dir():
             continue
         try:
-            fd = os.open(entry / LOCK, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:  # still starting, or died before it locked
-            if time.time() - entry.stat().st_mtime > STARTING_S:
+            if dead(entry):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
+        except FileNotFoundError:  # another starting process removed it first
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live process holds it
-        finally:
-            os.close(fd)  # (a lock taken goes with the descriptor)
-        shutil.rmtree(entry, ignore_errors=True)
-        removed += 1
     return removed
+
+
+def dead(entry: Path) -> bool:
+    """Whether the process that made tier directory ``entry`` is gone (its lock free, or never taken)."""
+    try:
+        fd = os.open(entry / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # still starting, or died before it locked
+        return time.time() - entry.stat().st_mtime > STARTING_S
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a live process holds it
+    finally:
+        os.close(fd)  # (a lock taken goes with the descriptor)
+    return True
+
+
+def remove_own(directory: Path, lock_fd: int) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    os.close(lock_fd)
 
 
 def write_all(fd: int, data: memoryview) -> None:
@@ -109,6 +122,7 @@ class DiskTier:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             raise DiskTierError(f"disk tier directory {str(root)[:200]!r}: {exc}") from exc
+        self._remove = weakref.finalize(self, remove_own, self.dir, self._lock_fd)  # at exit too, if not closed
         self._threads = TaskThreads("kvshuttle-spill")
         self._lock = threading.Lock()
         self._pending: set[threading.Event] = set()
@@ -189,8 +203,7 @@ class DiskTier:
         for event in pending:
             event.wait(max(0.0, deadline - time.monotonic()))
         self._threads.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        os.close(self._lock_fd)
+        self._remove()
 
     def _submit(self, task: Callable[[], object]) -> None:
         with self._lock:
