@@ -259,9 +259,14 @@ def test_a_host_eviction_writes_the_victim_before_its_slots_are_reused(owner: Di
     assert metrics["tiers"]["host"]["demotions"] == 2 and metrics["tiers"]["disk"]["demotions"] == 1
     assert reader.read(first, [15, 14, 13, 12, 11]).tier == "disk"  # not the second's bytes, written over it
     assert reader.read(second, [1, 3, 5, 7, 9]).tier == "host"
-    for handle in (first, second):
-        owner.call("release", name="evict", handle_id=handle.handle_id)
+    from kvshuttle.transfer import release_retention
+    from kvshuttle.trust import DeploymentSecret
+
+    secret = DeploymentSecret.resolve()  # the owner process's (EngineConfig's default)
+    for handle in (first, second):  # the router's call (its DELETE /v1/conversations/{id}): every tier, the file too
+        assert release_retention(handle.to_kv_transfer_params(secret), secret=secret) is True
     assert settled_files(owner, "evict") == {}
+    assert reader.refusal(first) == reader.refusal(second) == "HandleReleasedError"
 
 
 @pytest.mark.parametrize("reader", ["bound"], indirect=True)
