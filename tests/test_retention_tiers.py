@@ -77,10 +77,11 @@ def read(env: Env, handle: KVHandle, *, packed: bool = True) -> Any:
 # ------------------------------------------------------------------------------------------------ terms
 def test_tier_terms_are_checked_and_lengthen_the_handle() -> None:
     for bad in ({"capacity_blocks": 0}, {"capacity_blocks": True}, {"capacity_blocks": 4, "ttl_s": 0},
-                {"capacity_blocks": 4, "eviction": "mru"}, {"capacity_blocks": 4, "name": "disk"}):
+                {"capacity_blocks": 4, "eviction": "mru"}, {"capacity_blocks": 4, "name": "ssd"}, {},
+                {"capacity_blocks": 4, "capacity_bytes": 4096}, {"capacity_bytes": 0}):
         with pytest.raises(RetentionArgumentError):
             TierTerms(**bad)
-    with pytest.raises(RetentionArgumentError, match="tier must be a TierTerms"):
+    with pytest.raises(RetentionArgumentError, match="tier must be None or a TierTerms"):
         RetentionTerms(tier=4)  # type: ignore[arg-type]
     terms = RetentionTerms(ttl_s=TTL, tier=TierTerms(4, ttl_s=TIER_TTL))
     assert terms.handle_ttl() == TTL + TIER_TTL and terms.handle_ttl(5.0) == 5.0 + TIER_TTL

@@ -6,9 +6,9 @@ It fixes what vLLM's decode lacks: handles can be read many times until expiry (
 TTL is renewed on heartbeat, a reader must claim a handle first so decode refuses expired, stale (blocks
 reused) or tampered handles instead of serving them, and retained memory is bounded by a budget with LRU
 eviction; with a tier in its terms (``tiers.py``) a retention leaving the hot cache is demoted into host memory
-instead of ended. Its :class:`RetentionTerms` (``terms.py``) hold every retention default and decide when a retention
-ends; ``eviction.py`` holds the replaceable eviction order. Expiry costs O(log n) per handle expired and O(1)
-when nothing is due.
+instead of ended, and from there into files with a disk tier. Its :class:`RetentionTerms` (``terms.py``) hold
+every retention default and decide when a retention ends; ``eviction.py`` holds the replaceable eviction order.
+Expiry costs O(log n) per handle expired and O(1) when nothing is due.
 
 Stdlib only (no torch, CUDA or native module): the ledger is bookkeeping; moving bytes is ``transfer``'s job.
 """
@@ -28,6 +28,7 @@ from .errors import (
     HandleTierEvictedError,
     HandleTierExpiredError,
     HandleTierFullError,
+    HandleTierLostError,
     HandleUnavailableError,
     NoTierError,
     RetentionArgumentError,
@@ -49,14 +50,16 @@ from .terms import (
     ReadMode,
     RetentionTerms,
 )
-from .tiers import DEFAULT_TIER_TTL_S, HOST_TIER, HOT_TIER, Demotion, TierTerms
+from .tiers import DEFAULT_DISK_TTL_S, DEFAULT_TIER_TTL_S, DISK_TIER, HOST_TIER, HOT_TIER, Demotion, TierTerms
 
 __all__ = [
     "DEFAULT_BUDGET_FRACTION",
+    "DEFAULT_DISK_TTL_S",
     "DEFAULT_MAX_TTL_S",
     "DEFAULT_READ_MODE",
     "DEFAULT_TIER_TTL_S",
     "DEFAULT_TTL_S",
+    "DISK_TIER",
     "EVICTION_POLICIES",
     "HOST_TIER",
     "HOT_TIER",
@@ -77,6 +80,7 @@ __all__ = [
     "HandleTierEvictedError",
     "HandleTierExpiredError",
     "HandleTierFullError",
+    "HandleTierLostError",
     "HandleUnavailableError",
     "LeastRecentlyUsed",
     "Mode",

@@ -96,28 +96,36 @@ class StaleHandleError(HandleUnavailableError):
 
 
 class HandleDemotingError(HandleUnavailableError):
-    """The handle's blocks are being copied into the host tier (or wait for reads in flight to be): its
-    claims are served again once the copy completed."""
+    """The handle's blocks are being copied into the next tier (host, or disk), or wait for reads in flight or
+    for room there: its claims are served again once the copy completed."""
 
     reason = "demoting"
 
 
 class HandleTierFullError(HandleUnavailableError):
-    """The handle left the hot cache (TTL or budget) and the host tier had no room for it."""
+    """The handle left the hot cache (TTL or budget), or the host tier for the disk tier, and the tier it was
+    going to had no room for it."""
 
     reason = "tier_full"
 
 
 class HandleTierEvictedError(HandleUnavailableError):
-    """The handle was evicted from the host tier to make room for a later demotion."""
+    """The handle was evicted from its last tier (host, or disk) to make room for a later demotion."""
 
     reason = "tier_evicted"
 
 
 class HandleTierExpiredError(HandleUnavailableError):
-    """The handle's TTL in the host tier ran out."""
+    """The handle's TTL in its last tier (host, or disk) ran out."""
 
     reason = "tier_expired"
+
+
+class HandleTierLostError(HandleUnavailableError):
+    """The handle's copy in the disk tier could not be read back whole (its file deleted or truncated behind the
+    ledger's back, a read error): nothing of it was served."""
+
+    reason = "tier_lost"
 
 
 class TamperedHandleError(RetentionError, ValueError):
@@ -149,5 +157,5 @@ UNAVAILABLE: dict[str, type[HandleUnavailableError]] = {
     cls.reason: cls
     for cls in (UnknownHandleError, HandleExpiredError, HandleEvictedError, HandleReleasedError,
                 HandleConsumedError, HandleInUseError, StaleHandleError, HandleDemotingError, HandleTierFullError,
-                HandleTierEvictedError, HandleTierExpiredError)
+                HandleTierEvictedError, HandleTierExpiredError, HandleTierLostError)
 }

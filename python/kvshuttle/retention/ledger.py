@@ -30,7 +30,8 @@ Decisions (see also the package docstring):
   tampered) and is consumed when that many reads completed; an abort or timeout frees its slot (like vLLM,
   only completed reads or a release free the handle).
 * **Tiers.** With a tier in its terms, a retention leaving the hot cache is demoted instead of ended
-  (``demotions.py``): copied into the tier's memory, then its hot blocks go back; its handle stays valid.
+  (``demotions.py``): copied into the tier's memory, then its hot blocks go back; its handle stays valid. With a
+  disk tier too, one leaving the host tier moves on to a file the same way. Claims are ``reads.py``.
 * **Thread safety.** One ``threading.Lock`` guards all state; every public method takes it once and does
   O(log n + blocks touched) work under it. ``on_free`` runs after the lock is released (it may call back into
   the ledger); ``clock`` and ``wall_clock`` run under it and must not.
@@ -38,40 +39,23 @@ Decisions (see also the package docstring):
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, TypeVar
 
 from .._values import is_int
 from ..errors import shown
 from ..policy.kv_handle import KVHandle
-from ._checks import (
-    as_tuple,
-    check_block,
-    check_callable,
-    check_count,
-    check_id,
-    check_positive,
-    check_readers,
-    check_retain,
-    check_time,
-)
+from ._checks import check_block, check_callable, check_count, check_id, check_positive, check_retain, check_time
 from ._heap import DeadlineHeap
 from .blocks import BlockTable
-from .demotions import Demotions
-from .errors import (
-    UNAVAILABLE,
-    BudgetExceededError,
-    ClaimLimitError,
-    ClaimLostError,
-    RetentionArgumentError,
-    StaleHandleError,
-    TamperedHandleError,
-)
-from .records import Claim, OpenClaim, RetainedRecord, remember_end, same_as_issued
+from .errors import UNAVAILABLE, BudgetExceededError, RetentionArgumentError, TamperedHandleError
+from .reads import Reads
+from .records import OpenClaim, RetainedRecord, remember_end
 from .terms import READ_MODES, ReadMode, RetentionTerms
 from .tiers import HOT_TIER, TIER_END_REASONS, Demotion, TierSlots
 
@@ -82,7 +66,7 @@ R = TypeVar("R")
 END_REASONS = ("expired", "evicted", "released", "consumed", "stale", *TIER_END_REASONS)
 
 
-class RetentionLedger(Demotions):
+class RetentionLedger(Reads):
     """Decode's record of retained blocks and the handles it issued for them; see the module docstring.
 
     ``on_free(block_ids)`` hands blocks back to the owner's allocator: each retained block exactly once, after
@@ -97,7 +81,9 @@ class RetentionLedger(Demotions):
 
     A block's owner contract: retain hands the ledger the request's hold on its blocks (a block already retained
     is shared, not held twice); ``on_free`` gives it back; ``block_freed`` reports one the owner took back itself.
-    ``on_demote(Demotion)``: starts a demotion's copy (``transfer.HostTier.demote``); needed with a tier. With a
+    ``on_demote(Demotion)``: starts a demotion's copy (``transfer.HostTier.demote``); needed with a tier.
+    ``on_spill(Demotion)`` starts a copy from the host tier into the disk tier (``transfer.DiskTier.spill``), and
+    ``on_discard(handle_id)`` removes a retention's disk copy (``DiskTier.discard``): needed with a disk tier. With a
     tier ``on_release`` still fires once per retention, when its hot blocks go back: at its end, or when its
     demotion landed (it lives on in the tier); ``on_end(request_id)`` fires once when a retention ends on every
     tier (what a TP rank tells the others), after the lock like the others.
@@ -111,7 +97,9 @@ class RetentionLedger(Demotions):
                  on_release: Callable[[str], object] | None = None, tombstones: int = 4096,
                  max_ttl_s: float | None = None, max_claims_per_reader: int = 256,
                  on_demote: Callable[[Demotion], object] | None = None,
-                 on_end: Callable[[str], object] | None = None) -> None:
+                 on_end: Callable[[str], object] | None = None,
+                 on_spill: Callable[[Demotion], object] | None = None,
+                 on_discard: Callable[[str], object] | None = None) -> None:
         if not isinstance(engine_id, str) or not engine_id or not isinstance(host, str) or not host:
             raise RetentionArgumentError("engine_id and host must be non-empty strings (they go into every handle)")
         if type(port) is not int or not 0 < port < 65536:
@@ -127,9 +115,14 @@ class RetentionLedger(Demotions):
         check_callable("on_release", on_release, optional=True)
         check_callable("on_demote", on_demote, optional=True)
         check_callable("on_end", on_end, optional=True)
+        check_callable("on_spill", on_spill, optional=True)
+        check_callable("on_discard", on_discard, optional=True)
         if self.terms.tier is not None and on_demote is None:
             raise RetentionArgumentError("a tier in the terms needs on_demote, the copier into its memory "
                                          "(kvshuttle.transfer.HostTier.demote)")
+        if self.terms.disk is not None and (on_spill is None or on_discard is None):
+            raise RetentionArgumentError("a disk tier in the terms needs on_spill and on_discard, the writer and "
+                                         "remover of its files (kvshuttle.transfer.DiskTier.spill, .discard)")
         self._max_claims_per_reader = check_count("max_claims_per_reader", max_claims_per_reader)
         self._claim_timeout = check_positive("claim_timeout_s", claim_timeout_s)
         limit = self.terms.budget()  # the engine's block count is not the ledger's to know: blocks only
@@ -168,9 +161,16 @@ class RetentionLedger(Demotions):
         self._refusals: Counter[str] = Counter()
         self._on_demote, self._on_end = on_demote, on_end
         self._ends: list[str] = []  # requests whose retention ended, for on_end after the lock
-        self._tier = TierSlots(self.terms.tier) if self.terms.tier is not None else None
-        self._copying: dict[str, RetainedRecord] = {}  # handles whose demotion copy is in flight
+        self._on_spill, self._on_discard = on_spill, on_discard
+        self._tiers = {t.name: TierSlots(t, bytes_per_block) for t in self.terms.tiers}
+        names = [HOT_TIER, *self._tiers]
+        self._after = dict(itertools.pairwise(names))
+        self._ttl_after = {name: sum(t.terms.ttl_s for t in list(self._tiers.values())[i:])
+                           for i, name in enumerate(names)}  # a handle's life after its present tier
+        self._copying: dict[str, RetainedRecord] = {}  # handles whose copy into their next tier is in flight
+        self._awaiting: dict[str, RetainedRecord] = {}  # handles whose move waits for room copies give back
         self._orders: list[Demotion] = []  # copies asked by the current operation, started after the lock
+        self._discards: list[str] = []  # disk copies to remove, after the lock
 
     # ------------------------------------------------------------------------------------------ public API
     def retain(self, request_id: str, block_ids: Iterable[int], digests: Iterable[bytes], num_tokens: int,
@@ -194,53 +194,6 @@ class RetentionLedger(Demotions):
         issued = None if generation is None else int(generation)
         return self._call(lambda: self._retain(request_id, ids, digs, num_tokens, block_size, tp_size,
                                                conversation_id, ttl, handle_id, issued, once))
-
-    def claim(self, handle_id: str, generation: int, block_ids: Sequence[int] | None = None,
-              digests: Sequence[bytes] | None = None, *, reader: str = "", readers: int = 1) -> Claim:
-        """Check and pin a handle before a READ. ``block_ids``/``digests``, when given, must be the issued ones
-        or a prefix of them (the reader may read fewer blocks). ``readers`` (1..64): how many reader ranks will
-        claim a use-once handle here (multi-read handles ignore it). Raises HandleUnavailableError or
-        TamperedHandleError; the reader then recomputes."""
-        # Compared element-wise with what was issued, so no per-element conversion (O(n) Python at 1,536 blocks).
-        check_id("handle_id", handle_id)
-        if not is_int(generation):
-            raise RetentionArgumentError(f"generation must be an int, got {shown(generation)}")
-        check_id("reader", reader)
-        expected = check_readers(readers)
-        ids, digs = as_tuple("block_ids", block_ids), as_tuple("digests", digests)
-        return self._call(lambda: self._claim(handle_id, generation, ids, digs, reader, expected))
-
-    def complete(self, claim_id: str, tier_read: bool = False) -> Claim:
-        """The read finished. Raises ClaimLostError (timed out) or StaleHandleError (blocks reused meanwhile):
-        then the reader must discard what it read. In use-once mode the handle's last expected read frees it.
-        ``tier_read``: the reader says it read a tier claim's slots direct (not the hot blocks by id)."""
-        check_id("claim_id", claim_id)
-        return self._call(lambda: self._complete(claim_id, tier_read is True))
-
-    def abort(self, claim_id: str) -> bool:
-        """The read failed or was abandoned: unpin. The handle stays claimable. False if the claim was not live."""
-        check_id("claim_id", claim_id)
-        return self._call(lambda: self._abort(claim_id))
-
-    def claimed_blocks(self, claim_id: str) -> tuple[int, ...]:
-        """The blocks a live claim pins; ClaimLostError when it is not live (what an owner checks before it packs)."""
-        check_id("claim_id", claim_id)
-        return self._call(lambda: self._open_claim(claim_id).claim.block_ids)
-
-    def claimed_slots(self, claim_id: str) -> tuple[int, ...] | None:
-        """Where a live claim's blocks are: None in the hot cache (by block id), else their tier slots, parallel to
-        the claim's block ids (the owner packs from the tier, and the claim counts as packed). ClaimLostError when
-        the claim is not live."""
-        check_id("claim_id", claim_id)
-
-        def look() -> tuple[int, ...] | None:
-            record = self._open_claim(claim_id)
-            if record.claim.tier == HOT_TIER:
-                return None
-            record.packed = True
-            return record.handle.slots[: len(record.claim.block_ids)]
-
-        return self._call(look)
 
     def renew(self, handle_id: str, ttl_s: float | None = None) -> KVHandle:
         """Extend the handle to ``now + ttl_s`` (never shorten; at most ``max_ttl_s``) and touch it; returns the
@@ -326,9 +279,10 @@ class RetentionLedger(Demotions):
                 "consumed": counts["consumed"],
                 "stale_handles": counts["stale"],
                 "refusals": dict(self._refusals),
-                **({} if self._tier is None else {"tiers": {self._tier.terms.name: self._tier.metrics(
-                    self.bytes_per_block, sum(1 for h in self._handles.values() if h.tier != HOT_TIER),
-                    len(self._copying))}}),
+                **({"tiers": {name: tier.metrics(
+                    self.bytes_per_block, sum(1 for h in self._handles.values() if h.tier == name),
+                    sum(1 for h in self._copying.values() if self._after[h.tier] == name))
+                    for name, tier in self._tiers.items()}} if self._tiers else {}),
             }
 
     # ------------------------------------------------------------------------------------------- internals
@@ -338,6 +292,7 @@ class RetentionLedger(Demotions):
         released: list[str] = []
         orders: list[Demotion] = []
         ends: list[str] = []
+        discards: list[str] = []
         try:
             with self._lock:
                 try:
@@ -347,7 +302,11 @@ class RetentionLedger(Demotions):
                     released, self._released = self._released, []
                     orders, self._orders = self._orders, []
                     ends, self._ends = self._ends, []
+                    discards, self._discards = self._discards, []
         finally:
+            if self._on_discard is not None:
+                for handle_id in discards:
+                    self._on_discard(handle_id)
             if freed and self._on_free is not None:
                 self._on_free(freed)
             if self._on_release is not None:
@@ -389,7 +348,7 @@ class RetentionLedger(Demotions):
                 raise BudgetExceededError(message, caller_frees=self._blocks.detach(handle))
             # The check above counted the room: a victim is always there. A victim being demoted keeps its hot
             # blocks until its copy completed; they count as gone.
-            while len(self._blocks) - len(self._blocks.held_only_by(self._copying.values())) > limit:
+            while len(self._blocks) - len(self._blocks.held_only_by(self._leaving_hot())) > limit:
                 self._retire(self._handles[self._evictable.victim()], "evicted")
         # >= every generation of its blocks (staleness itself is tracked by the reused flag, so an issuer's value
         # only has to match what readers present)
@@ -401,86 +360,6 @@ class RetentionLedger(Demotions):
             self._conversations.setdefault(conversation_id, set()).add(handle.handle_id)
         self._counts["retains"] += 1
         return self._wire(handle, now, ttl)
-
-    def _claim(self, handle_id: str, generation: int, ids: tuple[int, ...] | None, digs: tuple[bytes, ...] | None,
-               reader: str, readers: int) -> Claim:
-        now = self._clock()
-        handle = self._live(handle_id, now, count=True)
-        count = len(handle.block_ids)
-        if generation != handle.generation:
-            self._tampered(handle_id, f"generation {shown(generation)} presented, {handle.generation} issued")
-        if ids is not None:
-            if not ids or not same_as_issued(ids, handle.block_ids[: len(ids)]):
-                self._tampered(handle_id, "block ids are not the issued ones or a prefix of them")
-            count = len(ids)
-        if digs is not None:
-            issued = handle.digests[: len(digs)]
-            if not digs or not same_as_issued(digs, issued) or (ids is not None and len(digs) != count):
-                self._tampered(handle_id, "digests are not the issued ones")
-            count = len(digs)
-        problem = handle.slot_problem(readers) if handle.once else None
-        if problem is not None:
-            if problem[0] == "tampered":
-                self._tampered(handle_id, problem[1])
-            self._refuse("in_use", handle_id, problem[1])
-        if self._open_by_reader[reader] >= self._max_claims_per_reader:
-            self._refusals["claim_limit"] += 1
-            raise ClaimLimitError(f"reader {reader[:16]} holds {self._max_claims_per_reader} open claims already; "
-                                  "finish them first")
-        self._open_by_reader[reader] += 1
-        if handle.once:
-            handle.readers = handle.readers or readers
-        if handle.claims == 0:
-            self._order_of(handle).remove(handle_id)  # a handle being read is never evicted
-            self._reading.add(handle)
-        handle.claims += 1
-        claim = Claim(secrets.token_urlsafe(18), handle_id, handle.generation, handle.block_ids[:count],
-                      min(handle.num_tokens, count * handle.block_size), now + self._claim_timeout, reader,
-                      handle.tier, handle.slots[:count] if handle.tier != HOT_TIER else ())
-        record = OpenClaim(claim, handle)
-        self._claims[claim.claim_id] = record
-        self._claim_deadlines.push(claim.deadline, record)
-        self._counts["claims"] += 1
-        return claim
-
-    def _complete(self, claim_id: str, tier_read: bool) -> Claim:
-        now = self._clock()
-        record = self._pop_claim(claim_id)
-        if record is None:
-            raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
-        handle, claim = record.handle, record.claim
-        if self.terms.expired(claim.deadline, now):  # past its deadline the blocks were not guaranteed pinned
-            self._counts["claim_timeouts"] += 1
-            self._close_claim(record, "timed out")
-            raise ClaimLostError(claim_id, "timed out")
-        stale = not handle.reused.isdisjoint(claim.block_ids)  # a block outside the claimed prefix does not matter
-        # A tier claim must have been read from the tier (packed by the owner, or its slots read direct): a reader
-        # that read the hot cache by block id read blocks that went back when the demotion landed.
-        unpacked = claim.tier != HOT_TIER and not (record.packed or tier_read)
-        self._close_claim(record, "stale" if stale or unpacked else "completed")
-        if stale:
-            self._refusals["stale"] += 1
-            raise StaleHandleError(handle.handle_id, "its blocks were reused during the read: discard them")
-        if unpacked:
-            self._refusals["unpacked_tier_read"] += 1
-            raise StaleHandleError(handle.handle_id, f"it is in the {claim.tier} tier, not in the blocks read by id "
-                                   "(read it with its claim ticket): discard the blocks read")
-        if claim.tier != HOT_TIER and self._tier is not None:
-            self._tier.counts["reads"] += 1
-        self._counts["hits"] += 1
-        if handle.once and handle.ended is None:
-            handle.done += 1
-            if self.terms.consumed(handle.done, handle.readers):
-                self._end(handle, "consumed")
-        return claim
-
-    def _abort(self, claim_id: str) -> bool:
-        record = self._pop_claim(claim_id)
-        if record is None:
-            return False
-        self._counts["aborts"] += 1
-        self._close_claim(record, "aborted")
-        return True
 
     def _renew(self, handle_id: str, ttl: float) -> KVHandle:
         now = self._clock()
@@ -521,22 +400,24 @@ class RetentionLedger(Demotions):
     def _live(self, handle_id: str, now: float, *, count: bool) -> RetainedRecord:
         handle = self._handles.get(handle_id)
         if handle is None:
-            reason = self._ended_handles.get(handle_id, "unknown")
+            reason, _, tier = self._ended_handles.get(handle_id, "unknown").partition("@")
             self._refuse(reason, handle_id, "" if reason != "unknown" else "never issued here, or ended long ago",
-                         count=count)
+                         count=count, tier=tier)
         if handle.demote is None and self.terms.expired(handle.expiry, now):
             self._expire(handle)
         if handle.ended is not None:
-            self._refuse(handle.ended, handle_id, count=count)
+            self._refuse(handle.ended, handle_id, count=count, tier=self._end_tier(handle, handle.ended))
         if handle.demote is not None:
             self._refuse("demoting", handle_id, "retry in a moment", count=count)
         return handle
 
-    def _refuse(self, reason: str, handle_id: str, detail: str = "", *, count: bool = True) -> NoReturn:
+    def _refuse(self, reason: str, handle_id: str, detail: str = "", *, count: bool = True,
+                tier: str = "") -> NoReturn:
+        """Refuse by name; ``tier``: the tier whose end it was (a miss of that tier)."""
         if count:
             self._refusals[reason] += 1
-            if reason in TIER_END_REASONS and self._tier is not None:
-                self._tier.counts["misses"] += 1
+            if tier in self._tiers:
+                self._tiers[tier].counts["misses"] += 1
         raise UNAVAILABLE[reason](handle_id, detail)
 
     def _tampered(self, handle_id: str, detail: str) -> NoReturn:
@@ -550,13 +431,17 @@ class RetentionLedger(Demotions):
         handle.demote = None
         del self._handles[handle.handle_id]
         self._evictable.remove(handle.handle_id)
-        if self._tier is not None:
-            self._tier.evictable.remove(handle.handle_id)
-            if reason in TIER_END_REASONS:
-                self._tier.counts[reason] += 1
+        self._awaiting.pop(handle.handle_id, None)
+        if handle.tier != HOT_TIER:
+            self._tiers[handle.tier].evictable.remove(handle.handle_id)
+        tier = self._end_tier(handle, reason)
+        if tier:
+            self._tiers[tier].counts[reason] += 1
         if handle.heaped:
             self._expiry.discard()
-        remember_end(self._ended_handles, handle.handle_id, reason, self._tombstone_cap)
+        # a tier's end names the tier (its misses count there): "reason@tier"
+        remember_end(self._ended_handles, handle.handle_id, f"{reason}@{tier}" if tier else reason,
+                     self._tombstone_cap)
         if handle.conversation_id is not None:
             ids = self._conversations.get(handle.conversation_id)
             if ids is not None:
@@ -567,15 +452,12 @@ class RetentionLedger(Demotions):
         self._ends.append(handle.request_id)
         if handle.claims:
             self._draining += 1
-        elif self._copying.get(handle.handle_id) is not handle:  # a copy in flight reads the hot blocks
+        elif self._copying.get(handle.handle_id) is not handle:  # a copy in flight reads its source
             self._drop_holds(handle)
 
-    def _drop_holds(self, handle: RetainedRecord) -> None:
-        if handle.tier == HOT_TIER:
-            self._release_hot(handle)
-        if handle.slots and self._tier is not None:
-            self._tier.give_back(handle.slots)
-            handle.slots = ()
+    def _leaving_hot(self) -> list[RetainedRecord]:
+        """Hot handles being copied into the host tier or waiting for room there: their blocks count as gone."""
+        return [h for h in (*self._copying.values(), *self._awaiting.values()) if h.tier == HOT_TIER]
 
     def _release_hot(self, handle: RetainedRecord) -> None:
         self._released.append(handle.request_id)
@@ -583,43 +465,10 @@ class RetentionLedger(Demotions):
         self._pending += freed
         self._counts["freed_blocks"] += len(freed)
 
-    def _open_claim(self, claim_id: str) -> OpenClaim:
-        record = self._claims.get(claim_id)
-        if record is None or self.terms.expired(record.claim.deadline, self._clock()):
-            raise ClaimLostError(claim_id, self._ended_claims.get(claim_id, "never granted here"))
-        return record
-
-    def _pop_claim(self, claim_id: str) -> OpenClaim | None:
-        record = self._claims.pop(claim_id, None)
-        if record is not None:
-            record.open = False
-            self._claim_deadlines.discard()
-        return record
-
-    def _close_claim(self, record: OpenClaim, why: str) -> None:
-        remember_end(self._ended_claims, record.claim.claim_id, why, self._tombstone_cap)
-        reader = record.claim.reader
-        self._open_by_reader[reader] -= 1
-        if self._open_by_reader[reader] <= 0:
-            del self._open_by_reader[reader]  # no per-reader state outlives its claims
-        handle = record.handle
-        handle.claims -= 1
-        if handle.claims:
-            return
-        self._reading.discard(handle)
-        if handle.ended is None and handle.demote is not None:
-            self._start_demotion(handle)  # it waited for its reads
-        elif handle.ended is None:
-            self._order_of(handle).admit(handle.handle_id)  # a finished read is a touch
-        else:
-            self._draining -= 1
-            self._drop_holds(handle)
-
     def _wire(self, handle: RetainedRecord, now: float, ttl_left: float | None = None) -> KVHandle:
         if ttl_left is None:
             ttl_left = max(0.0, handle.expiry - now)
-        if self._tier is not None and handle.tier == HOT_TIER:  # its whole life: RetentionTerms.handle_ttl
-            ttl_left += self._tier.terms.ttl_s
+        ttl_left += self._ttl_after[handle.tier]  # its whole life: RetentionTerms.handle_ttl
         issued_at = self._wall_clock()
         return KVHandle(engine_id=self.engine_id, request_id=handle.request_id, host=self.host, port=self.port,
                         block_ids=handle.block_ids, num_tokens=handle.num_tokens, expiry_time=issued_at + ttl_left,

@@ -9,8 +9,8 @@ from typing import Any
 
 class RetainedRecord:
     __slots__ = ("block_ids", "block_size", "claims", "conversation_id", "demote", "digests", "done", "ended",
-                 "expiry", "generation", "handle_id", "heaped", "num_tokens", "once", "readers", "request_id",
-                 "reused", "slots", "tier", "tp_size")
+                 "expiry", "generation", "handle_id", "heaped", "moving", "num_tokens", "once", "readers",
+                 "request_id", "reused", "slots", "tier", "tp_size")
 
     def __init__(self, handle_id: str, request_id: str, conversation_id: str | None, block_ids: tuple[int, ...],
                  digests: tuple[bytes, ...], num_tokens: int, block_size: int, tp_size: int, expiry: float) -> None:
@@ -25,7 +25,8 @@ class RetainedRecord:
         self.readers = 0  # use-once: the reader ranks expected, fixed by the first granted claim (0: none yet)
         self.done = 0  # use-once: reads completed so far
         self.tier = "hot"  # where its bytes are: the hot cache, or a tier once its demotion copy completed
-        self.slots: tuple[int, ...] = ()  # its tier slots, parallel to block_ids (taken when the copy starts)
+        self.slots: tuple[int, ...] = ()  # its tier slots, parallel to block_ids
+        self.moving: tuple[int, ...] = ()  # its slots in the next tier while the copy there is in flight
         self.demote: str | None = None  # the end reason a demotion replaces, while it waits for reads or copies
         self.heaped = True  # whether the expiry heap holds an entry for it (a sweep popped it: no)
 
@@ -68,7 +69,7 @@ class Claim:
     num_tokens: int  # tokens whose KV those blocks hold
     deadline: float
     reader: str
-    tier: str = "hot"  # where the claimed bytes are: "hot" (the cache) or "host" (the tier's slots)
+    tier: str = "hot"  # where the claimed bytes are: "hot" (the cache), "host" (the tier's slots) or "disk" (packed)
     slots: tuple[int, ...] = ()  # a tier claim's slots, parallel to block_ids (what a direct read of the tier reads)
 
 

@@ -20,7 +20,7 @@ from ..policy.kv_handle import ReadMode as ReadMode
 from ._checks import check_count, check_positive
 from .errors import RetentionArgumentError
 from .eviction import EVICTION_POLICIES, EvictionPolicy
-from .tiers import TierTerms
+from .tiers import DISK_TIER, HOST_TIER, TierTerms
 
 # Words accepted on input for a deployment's sake, never produced: the router's --reads said "multi" before.
 READ_MODE_ALIASES: dict[str, ReadMode] = {"multi": "multi_read"}
@@ -71,6 +71,7 @@ class RetentionTerms:
     eviction: str = DEFAULT_EVICTION  # a name in EVICTION_POLICIES
     retain: Retain = DEFAULT_RETAIN  # the grant requirement
     tier: TierTerms | None = None  # where a retention goes instead of ending by TTL or eviction (None: it ends)
+    disk: TierTerms | None = None  # where one goes on leaving ``tier`` (name "disk"; needs ``tier``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ttl_s", check_positive("ttl_s", self.ttl_s))
@@ -87,8 +88,13 @@ class RetentionTerms:
             raise RetentionArgumentError(f"eviction {shown(self.eviction)}: use one of {sorted(EVICTION_POLICIES)}")
         if not (isinstance(self.retain, str) and self.retain in RETAIN):
             raise RetentionArgumentError(f"retain {shown(self.retain)}: use 'granted' or 'always'")
-        if self.tier is not None and not isinstance(self.tier, TierTerms):
-            raise RetentionArgumentError(f"tier must be a TierTerms or None, got {type(self.tier).__name__}")
+        for field, name in (("tier", HOST_TIER), ("disk", DISK_TIER)):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, TierTerms) and value.name == name):
+                raise RetentionArgumentError(f"{field} must be None or a TierTerms named {name!r}, got "
+                                             f"{shown(value)}")
+        if self.disk is not None and self.tier is None:
+            raise RetentionArgumentError("a disk tier takes what leaves the host tier: give tier too")
 
     def overridden(self, **values: Any) -> RetentionTerms:
         """These terms with the values given that are not None (checked again)."""
@@ -113,12 +119,16 @@ class RetentionTerms:
         """What a renewal asking ``ttl_s`` (None: the terms' TTL) gets: at most :attr:`longest`."""
         return self.ttl_s if ttl_s is None else min(check_positive("ttl_s", ttl_s), self.longest)
 
+    @property
+    def tiers(self) -> tuple[TierTerms, ...]:
+        """The tiers a retention leaving the hot cache goes through, in order (host, then disk)."""
+        return tuple(t for t in (self.tier, self.disk) if t is not None)
+
     def handle_ttl(self, ttl_s: float | None = None) -> float:
         """The TTL a handle names for a retention of ``ttl_s`` hot seconds (None: the terms'): its whole life,
-        the tier's TTL added when there is a tier (it may end earlier, by eviction or a full tier, and its claims
-        then say so). An issuer outside the ledger (vLLM's scheduler) writes this into the handle it issues."""
-        hot = self.lifetime(ttl_s)
-        return hot + (self.tier.ttl_s if self.tier is not None else 0.0)
+        each tier's TTL added (it may end earlier, by eviction or a full tier, and its claims then say so). An
+        issuer outside the ledger (vLLM's scheduler) writes this into the handle it issues."""
+        return self.lifetime(ttl_s) + sum(t.ttl_s for t in self.tiers)
 
     @staticmethod
     def renewed(expiry: float, now: float, ttl: float) -> float:

@@ -13,6 +13,7 @@ from .control import demote_retention, release_retention, renew_retention, take_
 from .engine import TransferEngine
 from .errors import (
     BlockRangeError,
+    DiskTierError,
     IncompatiblePeerError,
     NixlUnavailableError,
     PeerAuthError,
@@ -23,6 +24,7 @@ from .errors import (
     SideChannelError,
     StagingExhaustedError,
     StagingTooSmallError,
+    TierLostError,
     TransferArgumentError,
     TransferCancelledError,
     TransferError,
@@ -41,6 +43,7 @@ __all__ = [
     "ClaimAuthority",
     "ClaimRefusedError",
     "ClaimTicket",
+    "DiskTierError",
     "EngineConfig",
     "HandleBoard",
     "IncompatiblePeerError",
@@ -61,6 +64,7 @@ __all__ = [
     "SideChannelError",
     "StagingExhaustedError",
     "StagingTooSmallError",
+    "TierLostError",
     "TransferArgumentError",
     "TransferCancelledError",
     "TransferEngine",

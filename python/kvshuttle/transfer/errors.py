@@ -86,3 +86,14 @@ class RemoteError(TransferError):
 
 class ProtocolError(TransferError):
     """A side-channel message did not have the expected shape (mismatched kvshuttle versions?)."""
+
+
+class TierLostError(TransferError):
+    """The owner could not read a retention's disk tier copy back whole (its file deleted or truncated behind the
+    owner's back, a read error): nothing was served, the owner ended the retention (its claims now say
+    ``HandleTierLostError``); recompute."""
+
+
+class DiskTierError(TransferArgumentError):
+    """The disk tier's directory cannot hold it (missing, not a directory, not writable): name another
+    (``kvshuttle_disk_tier_dir``) or run without a disk tier."""

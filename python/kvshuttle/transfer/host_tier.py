@@ -45,7 +45,11 @@ D2H = 2  # cudaMemcpyDeviceToHost
 
 
 class DemotionOrder(Protocol):
-    """What the ledger asks (``kvshuttle.retention.Demotion``): hot ``block_ids`` into tier ``slots``."""
+    """What the ledger asks (``kvshuttle.retention.Demotion``): hot ``block_ids`` into tier ``slots`` (or, of the
+    disk tier, host tier slots ``block_ids`` into the handle's file)."""
+
+    @property
+    def handle_id(self) -> str: ...
 
     @property
     def block_ids(self) -> tuple[int, ...]: ...

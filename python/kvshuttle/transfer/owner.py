@@ -9,6 +9,7 @@ from ._nixl import NixlCallError
 from .board import HandleBoard
 from .claims import ClaimAuthority
 from .config import check_serving_trust
+from .disk_tier import DiskTier
 from .endpoint import Endpoint
 from .errors import SideChannelError, TransferError
 from .host_tier import HostTier
@@ -32,6 +33,7 @@ class OwnerRole(Endpoint):
     _claims: ClaimAuthority | None = None
     _board: HandleBoard | None = None
     tier: HostTier | None = None  # the host tier the ledger demotes into; tier claims are packed from it
+    disk: DiskTier | None = None  # the disk tier what leaves the host tier goes to; its claims are read back
 
     def serve(self) -> str:
         """Start answering readers on the side channel; returns its address (``tcp://host:port``, the advertised
@@ -49,7 +51,7 @@ class OwnerRole(Endpoint):
             self._owner = OwnerService(self.cache, self.pool, lambda: info, self.config.staging_lease_s,
                                        self.config.debug_pack_delay_s, self.config.pipeline_depth, self._claims,
                                        secret=self.secret, max_jobs=self.config.max_jobs_per_peer,
-                                       executor=self.packs, tier=self.tier)
+                                       executor=self.packs, tier=self.tier, disk=self.disk)
             try:
                 self._server = SideChannelServer(self._zmq, self.config.host, self.config.port, self._owner.answer,
                                                  secret=self.secret, advertise_host=advertised,

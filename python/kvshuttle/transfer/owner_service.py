@@ -17,6 +17,9 @@ lease ends.
 
 A claim of a retention demoted into the host tier (``host_tier.py``) packs from the tier's slots instead of the
 cache: the claim names the slots (``ClaimAuthority.claimed_slots``), parallel to the block ids the reader names.
+One in the disk tier (``disk_tier.py``) packs from its file's blocks, read back into host memory when the pack is
+asked (on the side channel's thread, so that a file that is gone or short is refused by name before anything is
+announced: ``tier_lost``, and the ledger ends the retention).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..trust import DeploymentSecret
 from .board import HandleBoard, serve_take
 from .chunk_slots import ChunkSlots
 from .claims import ClaimAuthority, ClaimRefusedError, serve_claim
+from .disk_tier import DiskTier, TierReadError
 from .errors import ProtocolError, StagingExhaustedError
 from .executors import CopyExecutor, HostExecutor
 from .host_tier import HostTier
@@ -44,6 +48,7 @@ from .task_threads import TaskThreads
 from .wire import PROTOCOL_VERSION, PeerInfo, field
 
 log = logging.getLogger(__name__)
+Source = tuple[PagedKVCache, list[int]]  # where a pack reads: a tier's blocks as a paged cache, and their ids there
 MAX_WINDOW = 64  # staging slots one pack may hold at once (the pool's size bounds it further)
 
 
@@ -68,6 +73,13 @@ def _validate(cache: PagedKVCache, slot_bytes: int, request: dict[str, Any]) -> 
                           f"{slot_bytes}")
 
 
+class TierLostRefusal(ClaimRefusedError):
+    """A disk tier claim whose file could not be read back whole (the reader sees ``TierLostError``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "HandleTierLostError")
+
+
 class PackJob:
     """Packs one reader's request chunk by chunk into reserved staging slots (runs on a worker thread).
 
@@ -77,14 +89,14 @@ class PackJob:
     """
 
     def __init__(self, service: OwnerService, identity: bytes, tid: str, request: dict[str, Any],
-                 slots: list[int], tier_slots: list[int] | None = None) -> None:
+                 slots: list[int], source: Source | None = None) -> None:
         self.service, self.identity, self.tid = service, identity, tid
         g = service.cache.geometry
-        # Where the bytes are: the cache by block id, or the host tier by slot (same geometry but the block count)
+        # Where the bytes are: the cache by block id, or a tier's host memory (same geometry but the block count)
         self.source, self.executor = service.cache, service.executor
         self.ids = as_ids(request["ids"])
-        if tier_slots is not None and service.tier is not None:
-            self.source, self.executor, self.ids = service.tier.cache, service.tier_packs, as_ids(tier_slots)
+        if source is not None:
+            self.source, self.executor, self.ids = source[0], service.tier_packs, as_ids(source[1])
         self.num_tokens = int(request["num_tokens"])
         self.layout = layout_from_wire(request["layout"])
         self.head_offset = int(request["head_offset"])
@@ -219,12 +231,14 @@ class OwnerService:
     def __init__(self, cache: PagedKVCache, pool: StagingPool, info: Callable[[], PeerInfo],
                  lease_s: float, pack_delay_s: float = 0.0, depth: int = 2,
                  claims: ClaimAuthority | None = None, *, secret: DeploymentSecret, max_jobs: int = 8,
-                 executor: CopyExecutor | None = None, tier: HostTier | None = None) -> None:
+                 executor: CopyExecutor | None = None, tier: HostTier | None = None,
+                 disk: DiskTier | None = None) -> None:
         self.cache, self.pool, self._info, self.claims = cache, pool, info, claims
         self.executor: CopyExecutor = executor or HostExecutor()  # packs: on the host, or a CUDA stream
-        self.tier = tier
-        # The tier is host memory: packed on the job's thread, or on a GPU host by the CUDA stream reading it in
-        # place (mapped), into the VRAM staging a reader reads.
+        self.tier, self.disk = tier, disk
+        # The host tier is host memory: packed on the job's thread, or on a GPU host by the CUDA stream reading it in
+        # place (mapped), into the VRAM staging a reader reads. A disk tier's blocks come back into plain host
+        # memory: packed on the job's thread (CPU hosts only).
         self.tier_packs: CopyExecutor = (self.executor if tier is not None and tier.cache.is_cuda
                                          else HostExecutor())
         self.lease_s, self.pack_delay_s, self.depth = lease_s, pack_delay_s, depth
@@ -288,26 +302,36 @@ class OwnerService:
             return None
         return {"op": "error", "kind": "protocol", "message": f"unknown side-channel op {op[:40]!r}"}
 
-    def _authorize(self, identity: bytes, message: dict[str, Any]) -> list[int] | None:
-        """A pack covers only blocks of a live claim (owners with a ledger). Returns the host tier slots to pack
-        from, parallel to the pack's ids, when the claim's blocks are in the tier; else None (the cache)."""
+    def _authorize(self, identity: bytes, message: dict[str, Any]) -> Source | None:
+        """A pack covers only blocks of a live claim (owners with a ledger). Returns where to pack from when the
+        claim's blocks are in a tier (its blocks as a paged cache, and the pack's ids there); else None (the
+        cache). A disk tier's file is read back here: TierReadError ends the retention (``tier_lost``)."""
         if self.claims is None:
             return None  # a bare engine (benchmarks, tests): authenticated peers may read any registered byte
         claim_id = field(message, "claim_id", str)
         try:
             held = self.claims.claimed_blocks(claim_id)
             slots = self.claims.claimed_slots(claim_id)
+            tier, handle_id = self.claims.claimed_tier(claim_id) if slots is not None else ("hot", "")
         except KVShuttleError as exc:
             raise ClaimRefusedError(f"no live claim covers this pack: {exc}", type(exc).__name__) from None
         if not set(message["ids"]) <= set(held):
             raise ClaimRefusedError("the pack names blocks outside its claim", "OutsideClaim")
         if slots is None:
             return None
-        if self.tier is None:
-            raise ClaimRefusedError("the claim's blocks are in the host tier, which this engine cannot pack from "
-                                    "(it has no HostTier); recompute", "NoTier")
+        if self.tier is None or (tier != "host" and (self.disk is None or self.cache.is_cuda)):
+            raise ClaimRefusedError(f"the claim's blocks are in the {tier[:8]} tier, which this engine cannot pack "
+                                    "from (no such tier, or a disk tier on a CUDA cache); recompute", "NoTier")
         where = dict(zip(held, slots, strict=True))
-        return [where[b] for b in message["ids"]]
+        ids = [where[b] for b in message["ids"]]
+        if self.disk is None or tier == "host":
+            return self.tier.cache, ids
+        try:  # the blocks up to the last one named (a file's positions): usually the whole retention
+            buffer = self.disk.load(handle_id, max(ids) + 1 if ids else 0)
+        except TierReadError as exc:
+            self.claims.tier_lost(claim_id)
+            raise TierLostRefusal(f"{exc}; the retention ended (HandleTierLostError)") from None
+        return self.disk.cache_of(buffer), ids
 
     def _pack(self, identity: bytes, message: dict[str, Any]) -> dict[str, Any]:
         tid = message.get("tid")
@@ -324,17 +348,19 @@ class OwnerService:
             return {"op": "error", "tid": tid, "kind": "too_many_jobs", "message": f"{why}; wait for them"}
         try:
             _validate(self.cache, self.pool.slot_bytes, message)
-            tier_slots = self._authorize(identity, message)
+            source = self._authorize(identity, message)
             window = field(message, "window", int, 1, MAX_WINDOW)
             slots = self.pool.reserve(window, "owner")
         except StagingExhaustedError as exc:
             return {"op": "error", "tid": tid, "kind": "staging_exhausted", "message": str(exc)}
+        except TierLostRefusal as exc:
+            return {"op": "error", "tid": tid, "kind": "tier_lost", "message": str(exc)}
         except ClaimRefusedError as exc:
             return {"op": "error", "tid": tid, "kind": "claim", "message": str(exc)}
         except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
             return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}
         try:
-            job = PackJob(self, identity, tid, message, slots, tier_slots)
+            job = PackJob(self, identity, tid, message, slots, source)
         except (KVShuttleError, KeyError, TypeError, ValueError) as exc:
             self.pool.release(slots)
             return {"op": "error", "tid": tid, "kind": "block_ids", "message": str(exc)}

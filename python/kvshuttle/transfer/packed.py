@@ -35,6 +35,7 @@ from .errors import (
     ProtocolError,
     RemoteError,
     StagingExhaustedError,
+    TierLostError,
     TransferError,
     TransferTimeoutError,
 )
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 _REMOTE_ERRORS: dict[str, type[TransferError]] = {
     "staging_exhausted": StagingExhaustedError,
     "block_ids": BlockRangeError,
+    "tier_lost": TierLostError,
 }
 
 

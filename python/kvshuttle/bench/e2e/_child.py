@@ -12,7 +12,7 @@ Messages are pickled dicts over ``multiprocessing.connection.Connection``:
 * ``{"op": "keep_stepping", "interval_s": float | None}``: while idle, run a 1-token filler request every
   ``interval_s`` seconds (``None`` stops it);
 * ``{"op": "kv_usage"}``: run one filler step (pending frees land, the gauges refresh), then return vLLM's
-  ``kv_cache_usage_perc`` and kvshuttle's ``retained_blocks`` gauges (and its host tier's, ``TIER_METRICS``);
+  ``kv_cache_usage_perc`` and kvshuttle's ``retained_blocks`` gauges (and its tiers', ``TIER_METRICS``, ``DISK_...``);
 * ``{"op": "script", "steps": [...]}``: several requests interleaved (see ``_Server.script``);
 * ``{"op": "metrics"}``: vLLM's counters and gauges by name (``num_preemptions``, ``kv_cache_usage_perc``, ...);
 * ``{"op": "rpc", "method": name, "args": [...]}``: vLLM's ``collective_rpc`` of a worker method by name (one answer
@@ -36,8 +36,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 _FILLER_PROMPT = [5]  # any non-special token id: a 1-token prompt, a 1-token answer
-# The connector's host tier metrics (gauges: blocks, bytes; counters: demotions, reads, misses), tier "host"
+# The connector's tier metrics (gauges: blocks, bytes; counters: demotions, reads, misses): tier "host" under these
+# names, tier "disk" as ``kvshuttle_disk_tier_*``
 TIER_METRICS = tuple(f"kvshuttle_tier_{what}" for what in ("blocks", "bytes", "demotions", "reads", "misses"))
+DISK_TIER_METRICS = tuple(name.replace("kvshuttle_", "kvshuttle_disk_") for name in TIER_METRICS)
 
 
 class _Server:
@@ -165,9 +167,13 @@ class _Server:
         """vLLM's KV cache usage (1 - free blocks / blocks) and kvshuttle's retained blocks, after one step."""
         self.filler()
         gauges: dict[str, float | None] = {"kv_cache_usage_perc": None, "kvshuttle_retained_blocks": None,
-                                           **dict.fromkeys(TIER_METRICS)}
+                                           **dict.fromkeys(TIER_METRICS), **dict.fromkeys(DISK_TIER_METRICS)}
         for metric in self.llm.get_metrics():
             name = metric.name.removeprefix("vllm:")
+            if getattr(metric, "labels", {}).get("tier") == "disk":
+                name = name.replace("kvshuttle_", "kvshuttle_disk_")
+            elif getattr(metric, "labels", {}).get("tier", "host") != "host":
+                continue
             if name in gauges and gauges[name] is None:
                 gauges[name] = float(metric.value)
         return gauges

@@ -354,7 +354,8 @@ class VllmEngine:
     def kv_usage(self) -> dict[str, float | None]:
         """After one filler step: ``kv_cache_usage_perc`` (vLLM's, 1 - free/total blocks) and
         ``kvshuttle_retained_blocks`` (the connector's gauge; None without kvshuttle) and the host tier's
-        ``kvshuttle_tier_blocks``, ``_bytes``, ``_demotions``, ``_reads``, ``_misses`` (None without a tier)."""
+        ``kvshuttle_tier_blocks``, ``_bytes``, ``_demotions``, ``_reads``, ``_misses`` (None without a tier), and
+        the disk tier's as ``kvshuttle_disk_tier_*``."""
         result: dict[str, float | None] = self._call({"op": "kv_usage"}, 60.0, what="kv_usage")
         return result
 

@@ -28,7 +28,7 @@ from ...retention.terms import (
     Retain,
     RetentionTerms,
 )
-from ...retention.tiers import DEFAULT_TIER_TTL_S, TierTerms
+from ...retention.tiers import DEFAULT_DISK_TTL_S, DEFAULT_TIER_TTL_S, DISK_TIER, TierTerms
 from ...transfer.config import PATHS, Path
 from ...trust import DeploymentSecret
 
@@ -91,6 +91,13 @@ class ShuttleConfig:
     host_tier_blocks: int = 0
     host_tier_ttl_s: float = DEFAULT_TIER_TTL_S
     host_tier_eviction: str = "lru"
+    # kvshuttle_disk_tier_bytes: the most bytes of files that retentions leaving the host tier move on to (0: none;
+    # needs a host tier), under kvshuttle_disk_tier_dir (the operator's: a directory of this process's own in it,
+    # removed at exit and, after a crash, by the next start); kvshuttle_disk_tier_ttl_s, _eviction: as the host's
+    disk_tier_dir: str | None = None
+    disk_tier_bytes: int = 0
+    disk_tier_ttl_s: float = DEFAULT_DISK_TTL_S
+    disk_tier_eviction: str = "lru"
 
     def deployment_secret(self) -> DeploymentSecret:
         """The secret both sides authenticate with (TrustError names what is wrong)."""
@@ -107,13 +114,20 @@ class ShuttleConfig:
         """The decode's retention terms (a prefill's forward retentions are use-once for ``prefill_ttl_s``)."""
         return RetentionTerms(ttl_s=self.decode_ttl_s, max_ttl_s=self.max_ttl_s, read_mode=self.reads,
                               budget_blocks=self.budget_blocks, budget_fraction=self.budget_fraction,
-                              retain=self.retain, tier=self.tier_terms())
+                              retain=self.retain, tier=self.tier_terms(), disk=self.disk_terms())
 
     def tier_terms(self) -> TierTerms | None:
         """The host tier's terms (None: no host tier)."""
         if not self.host_tier_blocks:
             return None
         return TierTerms(self.host_tier_blocks, self.host_tier_ttl_s, self.host_tier_eviction)
+
+    def disk_terms(self) -> TierTerms | None:
+        """The disk tier's terms (None: no disk tier)."""
+        if not self.disk_tier_bytes:
+            return None
+        return TierTerms(ttl_s=self.disk_tier_ttl_s, eviction=self.disk_tier_eviction, name=DISK_TIER,
+                         capacity_bytes=self.disk_tier_bytes)
 
     def retention_budget(self, num_blocks: int) -> int:
         """The most blocks the worker's ledger keeps, for an engine with ``num_blocks`` KV blocks."""
@@ -131,7 +145,8 @@ class ShuttleConfig:
                  "kvshuttle_secret_file", "kvshuttle_allowed_owners", "kvshuttle_peer_timeout_s",
                  "kvshuttle_load_mode", "kvshuttle_layered_timeout_s", "kvshuttle_transfer_cpus",
                  "kvshuttle_content_index", "kvshuttle_content_index_wait_s", "kvshuttle_host_tier_blocks",
-                 "kvshuttle_host_tier_ttl_s", "kvshuttle_host_tier_eviction"}
+                 "kvshuttle_host_tier_ttl_s", "kvshuttle_host_tier_eviction", "kvshuttle_disk_tier_dir",
+                 "kvshuttle_disk_tier_bytes", "kvshuttle_disk_tier_ttl_s", "kvshuttle_disk_tier_eviction"}
         unknown = sorted(k for k in extra if k.startswith("kvshuttle_") and k not in known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshuttle takes "
@@ -179,7 +194,15 @@ class ShuttleConfig:
             host_tier_blocks=_int(extra, "kvshuttle_host_tier_blocks", 0, minimum=0),
             host_tier_ttl_s=_seconds(extra, "kvshuttle_host_tier_ttl_s", DEFAULT_TIER_TTL_S),
             host_tier_eviction=_choice(extra, "kvshuttle_host_tier_eviction", "lru", tuple(sorted(EVICTION_POLICIES))),
+            disk_tier_dir=_optional_text(extra, "kvshuttle_disk_tier_dir"),
+            disk_tier_bytes=_int(extra, "kvshuttle_disk_tier_bytes", 0, minimum=0),
+            disk_tier_ttl_s=_seconds(extra, "kvshuttle_disk_tier_ttl_s", DEFAULT_DISK_TTL_S),
+            disk_tier_eviction=_choice(extra, "kvshuttle_disk_tier_eviction", "lru", tuple(sorted(EVICTION_POLICIES))),
         )
+        if bool(config.disk_tier_bytes) != bool(config.disk_tier_dir) or (config.disk_tier_bytes and
+                                                                          not config.host_tier_blocks):
+            raise ConnectorConfigError("a disk tier needs kvshuttle_disk_tier_bytes > 0, kvshuttle_disk_tier_dir and "
+                                       "a host tier (kvshuttle_host_tier_blocks > 0): set all three, or none")
         try:
             config.policy()
         except KVShuttleError as exc:

@@ -86,16 +86,17 @@ class ShuttlePromMetrics(KVConnectorPromMetrics):
         tiered = [*labelnames, "tier"]
         self._tier_gauges = {
             "blocks": gauge(name="vllm:kvshuttle_tier_blocks", documentation="Blocks a retention tier (host "
-                            "memory) holds for readers", labelnames=tiered, multiprocess_mode="mostrecent"),
+                            "memory, disk files) holds for readers", labelnames=tiered, multiprocess_mode="mostrecent"),
             "bytes": gauge(name="vllm:kvshuttle_tier_bytes", documentation="Bytes a retention tier holds",
                            labelnames=tiered, multiprocess_mode="mostrecent")}
         self._tier_counters = {
             "demotions": counter(name="vllm:kvshuttle_tier_demotions", documentation="Retentions moved into a tier "
-                                 "instead of ending (hot TTL or budget eviction)", labelnames=tiered),
+                                 "instead of ending (a TTL or an eviction of the tier before)", labelnames=tiered),
             "reads": counter(name="vllm:kvshuttle_tier_reads", documentation="Reads served from a tier",
                              labelnames=tiered),
             "misses": counter(name="vllm:kvshuttle_tier_misses", documentation="Claims refused for a tier reason "
-                              "(evicted from it, expired in it, no room to demote)", labelnames=tiered)}
+                              "(evicted from it, expired in it, no room to demote, a disk file lost)",
+                              labelnames=tiered)}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

@@ -29,7 +29,8 @@ from ...core.layout import PagedKVCache, vllm_layer_index
 from ...policy.kv_handle import PREFIX
 from ...retention import BudgetExceededError, RetentionLedger
 from ...reuse import Failure, ReuseReader, ReuseResult
-from ...transfer import EngineConfig, HandleBoard, LayerProgress, TransferEngine
+from ...transfer import DiskTierError, EngineConfig, HandleBoard, LayerProgress, TransferEngine
+from ...transfer.disk_tier import DiskTier
 from ...transfer.host_tier import HostTier
 from ...trust import DeploymentSecret
 from .config import ConnectorConfigError, ShuttleConfig
@@ -79,6 +80,7 @@ class ShuttleWorker:
         self._tiered: dict[str, str] = {}
         self._over: set[str] = set()
         self.tier: HostTier | None = None
+        self.disk: DiskTier | None = None  # the disk tier what leaves the host tier goes to (kvshuttle_disk_tier_*)
         self._tier_counts: dict[str, int] = {}  # the tier's counters as last reported (stats carry the increase)
         self._landed: set[str] = set()  # layered loads settled whole since the last worker_meta
         self._released: set[str] = set()  # of those, the ones whose retention ended
@@ -111,23 +113,35 @@ class ShuttleWorker:
         if problem:
             raise ConnectorConfigError(f"kvshuttle_transfer_cpus: {problem}")
         terms = c.terms()
+        if terms.disk is not None and cache.is_cuda:  # its files are read back into host memory, packed on the host
+            raise ConnectorConfigError("kvshuttle_disk_tier_dir: the disk tier is served on CPU caches only (a GPU "
+                                       "owner cannot pack reads from it yet); leave it unset on this engine")
+        g = cache.geometry
+        bytes_per_block = g.block_size * g.bytes_per_token
         before = thread_ids()
-        self.tier = HostTier(cache, terms.tier.capacity_blocks) if terms.tier is not None else None
+        self.tier = HostTier(cache, terms.tier.blocks(bytes_per_block)) if terms.tier is not None else None
+        if terms.disk is not None and self.tier is not None and c.disk_tier_dir:
+            try:
+                self.disk = DiskTier(self.tier, c.disk_tier_dir)
+            except DiskTierError as exc:
+                self.tier.close()
+                raise ConnectorConfigError(f"kvshuttle_disk_tier_dir: {exc}") from exc
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s,
                                                          peer_timeout_s=c.peer_timeout_s, secret=self.secret),
-                                     tier=self.tier)
+                                     tier=self.tier, disk=self.disk)
         self._transfer_tids = thread_ids() - before
         self._pin_transfer_threads(loader=False)  # (never this thread: it is the engine's)
         address = self.engine.serve()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
-        g = cache.geometry
         budget = c.retention_budget(g.num_blocks)
         self.ledger = RetentionLedger(self.engine_id, c.advertise_host or host, int(port), terms=terms,
-                                      budget_blocks=budget, bytes_per_block=g.block_size * g.bytes_per_token,
+                                      budget_blocks=budget, bytes_per_block=bytes_per_block,
                                       on_release=self._on_release, on_end=self._on_end,
-                                      on_demote=self.tier.demote if self.tier is not None else None)
+                                      on_demote=self.tier.demote if self.tier is not None else None,
+                                      on_spill=self.disk.spill if self.disk is not None else None,
+                                      on_discard=self.disk.discard if self.disk is not None else None)
         self.engine.claims = self.ledger
         self.engine.board = self.board
         self.layered = LayeredLoads(vllm_layer_index(kv_caches), g.num_layers)
@@ -137,7 +151,9 @@ class ShuttleWorker:
         log.info("kvshuttle: rank %d of TP=%d serving %s on %s; retention budget %d of %d blocks, up to %d loads at "
                  "once%s", self.tp_rank, self.tp_size, g.describe(), address, budget, g.num_blocks,
                  c.max_concurrent_loads, "" if self.tier is None else
-                 f"; host tier of {self.tier.capacity_blocks} blocks ({self.tier.nbytes / 2**20:.1f} MiB)")
+                 f"; host tier of {self.tier.capacity_blocks} blocks ({self.tier.nbytes / 2**20:.1f} MiB)" +
+                 ("" if self.disk is None else
+                  f"; disk tier of {c.disk_tier_bytes / 2**20:.1f} MiB in {self.disk.dir}"))
 
     def handshake(self) -> ShuttleHandshake | None:
         if self.ledger is None:
@@ -253,7 +269,7 @@ class ShuttleWorker:
         """A tier's gauges (``tier.<name>.blocks``/``bytes``) and its counters' increase since the last stats
         (``tier.<name>.demotions``/``reads``/``misses``/...): the stats path sums counters across reports."""
         out = {f"tier.{name}.{k}": tier[k] for k in ("blocks", "bytes", "capacity_blocks", "live_handles")}
-        for key in ("demotions", "reads", "misses", "evictions", "expirations", "full", "failed_copies"):
+        for key in ("demotions", "reads", "misses", "evictions", "expirations", "full", "failed_copies", "lost"):
             full = f"tier.{name}.{key}"
             out[full] = tier[key] - self._tier_counts.get(full, 0)
             self._tier_counts[full] = tier[key]
