@@ -358,6 +358,22 @@ def gpu_tier(results: Results) -> Table:
     return table
 
 
+def tier_reads(results: Results) -> Table:
+    """``bench transfer --host-tier`` on this VM: the same blocks read from a demoted retention and from a hot one,
+    each path against the same path (claimed reads, interleaved)."""
+    table = Table("tier_reads", "Host tier reads against hot reads", (
+        "shape", "MiB", "tier direct / hot direct", "tier packed / hot packed", "tier direct / hot packed"))
+    for name in ("vm5_transfer_tier.json", "vm5_transfer_tier_repeat.json"):
+        for i, row in enumerate(results.rows(name)):
+            where = f"{name}: results[{i}]"
+            tier = get(row, "host_tier", where)
+            cells = (str(get(row, "shape", where)), f"{number(row, 'bytes', where) / 2**20:g}")
+            keys = ("tier_direct_vs_hot_direct", "tier_vs_hot", "tier_direct_vs_hot_packed")
+            ratios = {h: ratio(tier, k, where) for h, k in zip(table.header[2:], keys, strict=True)}
+            table.rows.append(Row(" ".join(cells), (*cells, *map(str, ratios.values())), ratios, name))
+    return table
+
+
 def tier_replay(results: Results) -> Table:
     """The shortened live Claude Code replay: each run's hit rate and the decode's hot peak, measured and as the
     planner predicts it on the same turns; the hot peak over the single-tier run's."""
@@ -387,7 +403,7 @@ def tier_replay(results: Results) -> Table:
 TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
     "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients,
-    "tier_replay": tier_replay, "gpu_tier": gpu_tier,
+    "tier_reads": tier_reads, "tier_replay": tier_replay, "gpu_tier": gpu_tier,
 }
 # A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".
 BLOCK = re.compile(r"<!-- report:(?P<name>[a-z0-9_]+) -->\n(?P<body>(?:(?!<!-- /?report).)*?)\n?<!-- /report -->", re.S)
