@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -41,6 +42,9 @@ D2H = 2  # cudaMemcpyDeviceToHost
 
 class DemotionOrder(Protocol):
     """What the ledger asks (``kvshuttle.retention.Demotion``): hot ``block_ids`` into tier ``slots``."""
+
+    @property
+    def handle_id(self) -> str: ...
 
     @property
     def block_ids(self) -> tuple[int, ...]: ...
@@ -100,9 +104,11 @@ def host_buffer(nbytes: int, pinned: bool) -> npt.NDArray[np.uint8]:
 class HostTier:
     """``capacity_blocks`` host slots for ``cache``'s blocks; pass it to ``TransferEngine(..., tier=)`` (which
     registers it) and its :meth:`demote` to the ledger (``RetentionLedger(on_demote=tier.demote)``), whose terms'
-    tier must name the same capacity."""
+    tier must name the same capacity. ``on_copied(handle_id, nbytes, seconds)``: told of each completed copy (its
+    time on the copy thread, until the bytes are in the slots), e.g. to log it."""
 
-    def __init__(self, cache: PagedKVCache, capacity_blocks: int) -> None:
+    def __init__(self, cache: PagedKVCache, capacity_blocks: int,
+                 on_copied: Callable[[str, int, float], object] | None = None) -> None:
         if not isinstance(cache, PagedKVCache):
             raise TransferArgumentError("pass the owner's PagedKVCache")
         if type(capacity_blocks) is not int or capacity_blocks <= 0:
@@ -119,6 +125,7 @@ class HostTier:
         self._threads = TaskThreads("kvshuttle-demote")
         self._lock = threading.Lock()
         self.copies = 0  # completed demotion copies
+        self._on_copied = on_copied
         self._closed = False
 
     @property
@@ -158,6 +165,7 @@ class HostTier:
 
     def _run(self, order: DemotionOrder) -> None:
         ok = False
+        started = time.perf_counter()
         try:
             completion, keep = self._copy(np.asarray(order.block_ids, dtype=np.int64), order.slots)
             if completion.wait(COPY_TIMEOUT_S):
@@ -171,6 +179,12 @@ class HostTier:
         if ok:
             with self._lock:
                 self.copies += 1
+            if self._on_copied is not None:
+                try:
+                    self._on_copied(order.handle_id, len(order.block_ids) * self.block_bytes,
+                                    time.perf_counter() - started)
+                except Exception:
+                    log.exception("kvshuttle: the host tier's on_copied failed")
         order.done(ok)
 
     def _copy(self, ids: npt.NDArray[np.int64], slots: Sequence[int]) -> tuple[Completion, Any]:

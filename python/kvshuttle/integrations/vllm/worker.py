@@ -115,7 +115,8 @@ class ShuttleWorker:
             raise ConnectorConfigError("kvshuttle_host_tier_blocks: a host tier is served on CPU caches only (a GPU "
                                        "owner cannot pack reads from it yet); set it to 0 on this engine")
         before = thread_ids()
-        self.tier = HostTier(cache, terms.tier.capacity_blocks) if terms.tier is not None else None
+        self.tier = (HostTier(cache, terms.tier.capacity_blocks, on_copied=_log_demotion)
+                     if terms.tier is not None else None)
         self.engine = TransferEngine(cache, EngineConfig(name=name, backends=c.backends, host=c.host,
                                                          advertise_host=c.advertise_host, port=rank_port,
                                                          transfer_timeout_s=c.load_timeout_s,
@@ -452,3 +453,9 @@ class ShuttleWorker:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message + " (logged once)")
+
+
+def _log_demotion(handle_id: str, nbytes: int, seconds: float) -> None:
+    """One line per demotion copy, as per read: its size and time (``kvshuttle bench demotion`` reads them)."""
+    log.info("kvshuttle: host tier: demoted %s (%.1f MiB) in %.1f ms (%.2f GB/s)", handle_id[:12], nbytes / 2**20,
+             seconds * 1e3, nbytes / max(seconds, 1e-9) / 1e9)
