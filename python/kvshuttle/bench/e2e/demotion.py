@@ -47,9 +47,9 @@ Gap = tuple[float, float]  # (previous token's arrival, this one's)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of (retain, windows, release)")
-    parser.add_argument("--windows", type=int, default=4, help="demote windows per round, each paired with a quiet one")
-    parser.add_argument("--per-window", type=int, default=1, help="conversations demoted at once in a demote window")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of (retain, windows, release)")
+    parser.add_argument("--windows", type=int, default=5, help="demote windows per round, each paired with a quiet one")
+    parser.add_argument("--per-window", type=int, default=2, help="conversations demoted at once in a demote window")
     parser.add_argument("--window-s", type=float, default=2.0, help="seconds of each window")
     parser.add_argument("--history-tokens", type=int, default=2048, help="each conversation's prompt")
     parser.add_argument("--answer-tokens", type=int, default=16)
@@ -148,7 +148,7 @@ def _round(r: int, kinds: list[str], args: argparse.Namespace, engines: tuple[Se
     prefill, decode = engines
     handles = [_retain(prefill, decode, random_prompt(args.history_tokens, seed=1000 * r + c), args.answer_tokens)
                for c in range(args.windows * args.per_window)]
-    before = metric_total(decode.metrics(), "vllm:kvshuttle_tier_demotions")
+    before = metric_total(decode.metrics(), "vllm:kvshuttle_tier_demotions_total")
     windows: list[Window] = []
     asked: list[tuple[float, float, str]] = []
     queue = list(handles)
@@ -163,7 +163,7 @@ def _round(r: int, kinds: list[str], args: argparse.Namespace, engines: tuple[Se
             del queue[:args.per_window]
         time.sleep(max(0.0, start + args.window_s - time.monotonic()))
         windows.append((kind, start, time.monotonic()))
-    demoted = int(metric_total(decode.metrics(), "vllm:kvshuttle_tier_demotions") - before)
+    demoted = int(metric_total(decode.metrics(), "vllm:kvshuttle_tier_demotions_total") - before)
     for params in handles:
         release_retention(params, timeout_s=30.0)
     return windows, asked, demoted
