@@ -339,9 +339,34 @@ def clients(results: Results) -> Table:
     return table
 
 
+def demotion(results: Results) -> Table:
+    """The decode's bystanders while its retentions are demoted into the host tier, against quiet windows of the
+    same run: their inter-token gaps (p50, p99) and the ratio (> 1: demotion slowed them), per-round min-max."""
+    table = Table("demotion", "What demotion costs the decode's other requests",
+                  ("run", "demotions", "MiB each, copy ms (GB/s)", "ITL p50 quiet / demote ms",
+                   "p99 quiet / demote ms", "p99 demote / quiet", "met a copy: p50 / quiet", "load (1 min, per round)"))
+    for name in ("vm6_demotion.json", "vm6_demotion_repeat.json"):
+        for i, row in enumerate(results.rows(name)):
+            where = f"{name}: results[{i}]"
+            loads = [float(get(r, "load_avg", where)[0]) for r in get(row, "per_round", where)]
+            quiet, demote = get(row, "quiet", where), get(row, "demote", where)
+            p99 = ratio(row, "p99_demote_over_quiet", where)
+            met = Ratio(number(row, "touched_p50_over_quiet", where))
+            copy = (f"{number(row, 'copy_mib_median', where):.0f}, {number(row, 'copy_ms_median', where):.1f} "
+                    f"({number(row, 'copy_gbps_median', where):.2f})")
+            cells = (name.removesuffix(".json").removeprefix("vm6_"),
+                     f"{int(number(row, 'demoted', where))}/{int(number(row, 'demotions', where))}", copy,
+                     f"{number(quiet, 'itl_ms_p50', where):.1f} / {number(demote, 'itl_ms_p50', where):.1f}",
+                     f"{number(quiet, 'itl_ms_p99', where):.1f} / {number(demote, 'itl_ms_p99', where):.1f}",
+                     str(p99), str(met), f"{min(loads):g}-{max(loads):g}")
+            table.rows.append(Row(name.removesuffix(".json"), cells, {"p99 demote / quiet": p99,
+                                                                      "met a copy / quiet": met}, name))
+    return table
+
+
 TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
-    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients,
+    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients, "demotion": demotion,
 }
 # A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".
 BLOCK = re.compile(r"<!-- report:(?P<name>[a-z0-9_]+) -->\n(?P<body>(?:(?!<!-- /?report).)*?)\n?<!-- /report -->", re.S)

@@ -4,7 +4,8 @@ with the owner's NIXL agent, and the copier that demotes a retention's hot block
 The retention ledger decides (``retention/demotions.py``): it picks the slots and hands a demotion order (hot
 block ids, tier slots, ``done``) to :meth:`HostTier.demote`. The copy runs off the caller's thread (the caller may
 be the engine's step), and ``done(ok)`` is called once the bytes are in the slots, so only then does the ledger
-give the hot blocks back. On a CPU host the copy is a native pack on a kept thread. On a GPU host it is enqueued on
+give the hot blocks back. On a CPU host the copy is a native pack on a kept thread at the lowest CPU priority (the
+engine's own threads go first on the cores they share). On a GPU host it is enqueued on
 the tier's own CUDA stream, after an event recorded on the engine's current stream (the engine's writes of those
 blocks come first): a pack into a device bounce buffer, then device-to-host copies into the slots (pinned host
 memory), then an event whose completion is the copy's; nothing blocks the engine's stream.
@@ -20,7 +21,9 @@ only: a direct read addresses the hot cache's layout, which the tier does not sh
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +39,9 @@ from .executors import Completion, CudaExecutor, EventCompletion, HostExecutor, 
 from .task_threads import TaskThreads
 
 log = logging.getLogger(__name__)
+# The copy thread's niceness: on cores the engine computes on, its forward passes go first and the copy takes the
+# time they leave (`kvshuttle bench demotion`: at the default priority a copy stretched the bystanders' gaps it met)
+COPY_NICENESS = 19
 COPY_TIMEOUT_S = 60.0  # a copy that has not completed by then failed (the retention then ends; logged)
 D2H = 2  # cudaMemcpyDeviceToHost
 
@@ -99,6 +105,15 @@ def host_buffer(nbytes: int, pinned: bool) -> npt.NDArray[np.uint8]:
         buffer = np.empty(nbytes, dtype=np.uint8)
     buffer.fill(0)  # fault the pages in now, not during the first demotion
     return buffer
+
+
+def lower_priority(niceness: int = COPY_NICENESS) -> None:
+    """Give the calling thread (Linux: ``setpriority`` of a thread id moves that thread only) ``niceness``; a
+    thread can always lower its own priority. Elsewhere, or when refused, nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
 
 class HostTier:
@@ -165,6 +180,7 @@ class HostTier:
 
     def _run(self, order: DemotionOrder) -> None:
         ok = False
+        lower_priority()
         started = time.perf_counter()
         try:
             completion, keep = self._copy(np.asarray(order.block_ids, dtype=np.int64), order.slots)

@@ -27,6 +27,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
@@ -148,6 +149,7 @@ def _round(r: int, kinds: list[str], args: argparse.Namespace, engines: tuple[Se
     prefill, decode = engines
     handles = [_retain(prefill, decode, random_prompt(args.history_tokens, seed=1000 * r + c), args.answer_tokens)
                for c in range(args.windows * args.per_window)]
+    print(f"round {r + 1}: retained {[h['kvshuttle_handle_id'][:12] for h in handles]}", file=sys.stderr)
     before = metric_total(decode.metrics(), "vllm:kvshuttle_tier_demotions_total")
     windows: list[Window] = []
     asked: list[tuple[float, float, str]] = []
@@ -157,6 +159,7 @@ def _round(r: int, kinds: list[str], args: argparse.Namespace, engines: tuple[Se
         if kind == "demote":
             for params in queue[:args.per_window]:
                 sent = time.monotonic()
+                print(f"{kind} {params['kvshuttle_handle_id'][:12]}", file=sys.stderr)
                 if not demote_retention(params, timeout_s=30.0):
                     raise RuntimeError(f"the decode kept {params['kvshuttle_handle_id'][:12]} hot (tier full?)")
                 asked.append((sent, time.monotonic(), str(params["kvshuttle_handle_id"])))
@@ -180,7 +183,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     held = -(-(args.history_tokens + args.answer_tokens - 1) // BLOCK)  # blocks a conversation keeps
     tier_blocks = (held + 1) * args.windows * args.per_window  # a block of slack each: never "tier full"
-    tier = {"decoder_kv_blocks_ttl": 3000.0, "kvshuttle_host_tier_blocks": tier_blocks}
+    # nothing leaves the hot cache unasked: a hot TTL past the run, a budget that holds every conversation (the
+    # default fraction of the cache would demote the oldest while later ones are retained)
+    tier = {"decoder_kv_blocks_ttl": 3000.0, "kvshuttle_host_tier_blocks": tier_blocks,
+            "kvshuttle_retention_budget_blocks": tier_blocks}
     prefill = ServedEngine(ServeSpec(model=model, name="prefill", enable_prefix_caching=False, cpu_cores=(0,),
                                      kv_transfer_config=shuttle_transfer_config(), log_path=str(logs / "prefill.log")))
     decode = ServedEngine(ServeSpec(model=model, name="decode", cpu_cores=(1,), kv_cache_space_gib=2,
