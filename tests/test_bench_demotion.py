@@ -38,6 +38,11 @@ def test_copies_are_read_from_the_decode_log() -> None:
     assert demotion.copies(text) == {"0123456789ab": (65.0, 21.5), "ba9876543210": (130.0, 40.0)}
 
 
+def test_copies_past_their_window_are_counted() -> None:
+    windows = [("demote", 0.0, 2.0), ("quiet", 2.0, 4.0)]
+    assert demotion.past_windows([(0.1, 0.5), (1.5, 2.5), (5.0, 6.0)], windows) == 1
+
+
 def _gaps(start: float, ms: list[float]) -> list[tuple[float, float]]:
     out, t = [], start
     for x in ms:
