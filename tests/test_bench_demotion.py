@@ -75,7 +75,7 @@ def test_summary_percentiles() -> None:
 
 def test_table_prints_each_kind_and_round() -> None:
     row: dict[str, Any] = demotion.compare(_gaps(0.0, [20.0] * 10), [("quiet", 0.0, 1.0)], [], [])
-    row.update({"ratio_spread": {"p99_demote_over_quiet": None}, "demoted": 4, "demotions": 4,
+    row.update({"round_spread": {"p99_demote_over_quiet": None}, "demoted": 4, "demotions": 4,
                 "copy_mib_median": 65.0, "copy_ms_median": 20.0, "copy_gbps_median": 3.4, "offered_mib_per_s": 32.5,
                 "per_round": [{"round": 1, "quiet_p99_ms": 20.0, "demote_p99_ms": None, "p99_demote_over_quiet": None,
                                "load_avg": [1.0, 1.0, 1.0]}]})

@@ -243,7 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "rounds": len(per_round), "per_round": per_round,
               "bystander_errors": [e for b in bystanders for e in b.errors][:5]}
     result["verified"] = result["demoted"] == result["demotions"] == result["copies_logged"]
-    result["ratio_spread"] = {key: _spread([row[key] for row in per_round if row.get(key)])
+    # min / median / max of the rounds' own ratios (not the schema's ratio_spread: the pooled ratio is no median)
+    result["round_spread"] = {key: _spread([row[key] for row in per_round if row.get(key)])
                               for key in ("p50_demote_over_quiet", "p99_demote_over_quiet")}
     # the schema's per-method seconds: the median gap (seconds per token) in each kind of window
     result["seconds"] = {kind: round(result[kind]["itl_ms_p50"] / 1e3, 5) for kind in KINDS
@@ -279,7 +280,7 @@ def format_table(result: dict[str, Any]) -> str:
                          ("met a copy", r["touched"]["demote"]), ("same, quiet", r["touched"]["quiet"])):
             cells = [s.get(f"itl_ms_{q}", "-") for q in ("p50", "p90", "p99", "max")]
             lines.append(f"{label:<16} {s['tokens']:>7} " + " ".join(f"{c!s:>7}" for c in cells))
-        spread = r["ratio_spread"]["p99_demote_over_quiet"] or {}
+        spread = r["round_spread"]["p99_demote_over_quiet"] or {}
         lines.append(f"p99 demote / quiet {r['p99_demote_over_quiet']} (rounds {spread.get('min')}-"
                      f"{spread.get('max')}; target <= 1.2), p50 {r['p50_demote_over_quiet']}; "
                      f"{r['demoted']}/{r['demotions']} demoted, {r['copy_mib_median']} MiB each in "
