@@ -350,7 +350,8 @@ def demotion(results: Results) -> Table:
             where = f"{name}: results[{i}]"
             loads = [float(get(r, "load_avg", where)[0]) for r in get(row, "per_round", where)]
             quiet, demote = get(row, "quiet", where), get(row, "demote", where)
-            p99 = ratio(row, "p99_demote_over_quiet", where)
+            spread = get(row, "round_spread", where).get("p99_demote_over_quiet") or {}
+            p99 = Ratio(number(row, "p99_demote_over_quiet", where), spread.get("min"), spread.get("max"))
             met = Ratio(number(row, "touched_p50_over_quiet", where))
             copy = (f"{number(row, 'copy_mib_median', where):.0f}, {number(row, 'copy_ms_median', where):.1f} "
                     f"({number(row, 'copy_gbps_median', where):.2f})")
