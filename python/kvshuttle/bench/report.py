@@ -345,23 +345,24 @@ def demotion(results: Results) -> Table:
     table = Table("demotion", "What demotion costs the decode's other requests",
                   ("run", "demotions", "MiB each, copy ms (GB/s)", "ITL p50 quiet / demote ms",
                    "p99 quiet / demote ms", "p99 demote / quiet", "met a copy: p50 / quiet", "load (1 min, per round)"))
-    for name in ("vm6_demotion.json", "vm6_demotion_repeat.json"):
+    for name in ("vm6_demotion.json", "vm6_demotion_repeat.json", "vm6_demotion_aa.json"):  # aa: nothing demoted
         for i, row in enumerate(results.rows(name)):
             where = f"{name}: results[{i}]"
             loads = [float(get(r, "load_avg", where)[0]) for r in get(row, "per_round", where)]
             quiet, demote = get(row, "quiet", where), get(row, "demote", where)
             spread = get(row, "round_spread", where).get("p99_demote_over_quiet") or {}
             p99 = Ratio(number(row, "p99_demote_over_quiet", where), spread.get("min"), spread.get("max"))
-            met = Ratio(number(row, "touched_p50_over_quiet", where))
-            copy = (f"{number(row, 'copy_mib_median', where):.0f}, {number(row, 'copy_ms_median', where):.1f} "
-                    f"({number(row, 'copy_gbps_median', where):.2f})")
+            met = Ratio(number(row, "touched_p50_over_quiet", where)) if row.get("demotions") else None
+            copy = "-" if not row.get("demotions") else (
+                f"{number(row, 'copy_mib_median', where):.0f}, {number(row, 'copy_ms_median', where):.1f} "
+                f"({number(row, 'copy_gbps_median', where):.2f})")
             cells = (name.removesuffix(".json").removeprefix("vm6_"),
                      f"{int(number(row, 'demoted', where))}/{int(number(row, 'demotions', where))}", copy,
                      f"{number(quiet, 'itl_ms_p50', where):.1f} / {number(demote, 'itl_ms_p50', where):.1f}",
                      f"{number(quiet, 'itl_ms_p99', where):.1f} / {number(demote, 'itl_ms_p99', where):.1f}",
-                     str(p99), str(met), f"{min(loads):g}-{max(loads):g}")
-            table.rows.append(Row(name.removesuffix(".json"), cells, {"p99 demote / quiet": p99,
-                                                                      "met a copy / quiet": met}, name))
+                     str(p99), str(met or "-"), f"{min(loads):g}-{max(loads):g}")
+            plotted = {"p99 demote / quiet": p99, **({"met a copy / quiet": met} if met else {})}
+            table.rows.append(Row(name.removesuffix(".json"), cells, plotted, name))
     return table
 
 

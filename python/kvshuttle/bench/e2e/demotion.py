@@ -19,6 +19,7 @@ costs the decode's other requests at that rate of demotions, both kinds measured
 time from the decode's log line), against the gaps that overlapped the same span from the start of a quiet window:
 the cost to the tokens that met a copy, whatever the rate. The copy rate is the decode's own (bytes over the copy
 thread's time per demotion).
+``--per-window 0`` demotes nothing: an A/A run, whose "demote" over quiet ratios are the noise of the others.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ Gap = tuple[float, float]  # (previous token's arrival, this one's)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="rounds of (retain, windows, release)")
     parser.add_argument("--windows", type=int, default=5, help="demote windows per round, each paired with a quiet one")
-    parser.add_argument("--per-window", type=int, default=2, help="conversations demoted at once in a demote window")
+    parser.add_argument("--per-window", type=int, default=2,
+                        help="conversations demoted at once in a demote window (0: an A/A run, nothing demoted: "
+                             "the ratios' own noise)")
     parser.add_argument("--window-s", type=float, default=4.0,
                         help="seconds of each window (long enough for a copy at nice 19 to land within it)")
     parser.add_argument("--history-tokens", type=int, default=2048, help="each conversation's prompt")
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-demotion-"))
     logs.mkdir(parents=True, exist_ok=True)
     held = -(-(args.history_tokens + args.answer_tokens - 1) // BLOCK)  # blocks a conversation keeps
-    tier_blocks = (held + 1) * args.windows * args.per_window  # a block of slack each: never "tier full"
+    tier_blocks = max(1, (held + 1) * args.windows * args.per_window)  # a block of slack each: never "tier full"
     # nothing leaves the hot cache unasked: a hot TTL past the run, a budget that holds every conversation (the
     # default fraction of the cache would demote the oldest while later ones are retained)
     tier = {"decoder_kv_blocks_ttl": 3000.0, "kvshuttle_host_tier_blocks": tier_blocks,
