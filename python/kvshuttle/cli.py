@@ -18,6 +18,7 @@ BENCHES = {
     "e2e": "kvshuttle.bench.e2e.bench",
     "router": "kvshuttle.bench.router",
     "placement": "kvshuttle.bench.e2e.placement",
+    "demotion": "kvshuttle.bench.e2e.demotion",
     "clients": "kvshuttle.bench.clients",
     "tier-replay": "kvshuttle.bench.tier_replay",
     "retokenize": "kvshuttle.bench.retokenize",

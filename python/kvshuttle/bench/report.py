@@ -363,7 +363,7 @@ def tier_reads(results: Results) -> Table:
     each path against the same path (claimed reads, interleaved)."""
     table = Table("tier_reads", "Host tier reads against hot reads", (
         "shape", "MiB", "tier direct / hot direct", "tier packed / hot packed", "tier direct / hot packed"))
-    for name in ("vm5_transfer_tier.json", "vm5_transfer_tier_repeat.json"):
+    for name in ("vm6_transfer_tier.json", "vm6_transfer_tier_repeat.json"):
         for i, row in enumerate(results.rows(name)):
             where = f"{name}: results[{i}]"
             tier = get(row, "host_tier", where)
@@ -376,33 +376,60 @@ def tier_reads(results: Results) -> Table:
 
 def tier_replay(results: Results) -> Table:
     """The shortened live Claude Code replay: each run's hit rate and the decode's hot peak, measured and as the
-    planner predicts it on the same turns; the hot peak over the single-tier run's."""
-    name = "vm5_tier_replay.json"
+    planner predicts it on the same turns; the hot peak over the same file's single-tier run's."""
     table = Table("tier_replay", "Live replay against the planner's tiers", (
         "run", "hot TTL s", "later turns", "hit rate (plan)", "host-tier reads", "hot peak blocks (plan)",
         "hot peak / single (plan)"))
-    rows = {str(get(row, "row", f"{name}: results[{i}]")): row for i, row in enumerate(results.rows(name))}
-    if "single" not in rows:
-        raise ReportError(f"{name}: no 'single' row to compare with")
-    base = number(rows["single"], "hot_peak_blocks", f"{name}: single")
-    plan_base = number(get(rows["single"], "predicted", f"{name}: single"), "hot_peak_blocks", f"{name}: single")
-    for label, row in rows.items():
-        where = f"{name}: {label}"
-        plan = get(row, "predicted", where)
-        peak, plan_peak = number(row, "hot_peak_blocks", where), number(plan, "hot_peak_blocks", where)
-        share = Ratio(peak / base) if base else Ratio(0.0)
-        plan_share = Ratio(plan_peak / plan_base) if plan_base else Ratio(0.0)
-        cells = (label, f"{number(row, 'hot_ttl_s', where):g}", f"{int(number(row, 'later_turns', where))}",
-                 f"{number(row, 'hit_rate', where):.2f} ({number(plan, 'hit_rate', where):.2f})",
-                 f"{int(number(get(row, 'tier', where), 'reads', where))}", f"{peak:.0f} ({plan_peak:.0f})",
-                 f"{share} ({plan_share})")
-        table.rows.append(Row(label, cells, {"hot peak / single": share}, name))
+    for name in ("vm6_tier_replay.json", "vm6_tier_replay_repeat.json", "vm6_tier_replay_ttl025.json"):
+        rows = {str(get(row, "row", f"{name}: results[{i}]")): row for i, row in enumerate(results.rows(name))}
+        if "single" not in rows:
+            raise ReportError(f"{name}: no 'single' row to compare with")
+        base = number(rows["single"], "hot_peak_blocks", f"{name}: single")
+        plan_base = number(get(rows["single"], "predicted", f"{name}: single"), "hot_peak_blocks", f"{name}: single")
+        for label, row in rows.items():
+            where = f"{name}: {label}"
+            plan = get(row, "predicted", where)
+            peak, plan_peak = number(row, "hot_peak_blocks", where), number(plan, "hot_peak_blocks", where)
+            share = Ratio(peak / base) if base else Ratio(0.0)
+            plan_share = Ratio(plan_peak / plan_base) if plan_base else Ratio(0.0)
+            cells = (label, f"{number(row, 'hot_ttl_s', where):g}", f"{int(number(row, 'later_turns', where))}",
+                     f"{number(row, 'hit_rate', where):.2f} ({number(plan, 'hit_rate', where):.2f})",
+                     f"{int(number(get(row, 'tier', where), 'reads', where))}", f"{peak:.0f} ({plan_peak:.0f})",
+                     f"{share} ({plan_share})")
+            table.rows.append(Row(f"{label} {name.removesuffix('.json')}", cells, {"hot peak / single": share}, name))
+    return table
+
+
+def demotion(results: Results) -> Table:
+    """The decode's bystanders while its retentions are demoted into the host tier, against quiet windows of the
+    same run: their inter-token gaps (p50, p99) and the ratio (> 1: demotion slowed them), per-round min-max."""
+    table = Table("demotion", "What demotion costs the decode's other requests",
+                  ("run", "demotions", "MiB each, copy ms (GB/s)", "ITL p50 quiet / demote ms",
+                   "p99 quiet / demote ms", "p99 demote / quiet", "met a copy: p50 / quiet", "load (1 min, per round)"))
+    for name in ("vm6_demotion.json", "vm6_demotion_repeat.json", "vm6_demotion_aa.json"):  # aa: nothing demoted
+        for i, row in enumerate(results.rows(name)):
+            where = f"{name}: results[{i}]"
+            loads = [float(get(r, "load_avg", where)[0]) for r in get(row, "per_round", where)]
+            quiet, demote = get(row, "quiet", where), get(row, "demote", where)
+            spread = get(row, "round_spread", where).get("p99_demote_over_quiet") or {}
+            p99 = Ratio(number(row, "p99_demote_over_quiet", where), spread.get("min"), spread.get("max"))
+            met = Ratio(number(row, "touched_p50_over_quiet", where)) if row.get("demotions") else None
+            copy = "-" if not row.get("demotions") else (
+                f"{number(row, 'copy_mib_median', where):.0f}, {number(row, 'copy_ms_median', where):.1f} "
+                f"({number(row, 'copy_gbps_median', where):.2f})")
+            cells = (name.removesuffix(".json").removeprefix("vm6_"),
+                     f"{int(number(row, 'demoted', where))}/{int(number(row, 'demotions', where))}", copy,
+                     f"{number(quiet, 'itl_ms_p50', where):.1f} / {number(demote, 'itl_ms_p50', where):.1f}",
+                     f"{number(quiet, 'itl_ms_p99', where):.1f} / {number(demote, 'itl_ms_p99', where):.1f}",
+                     str(p99), str(met or "-"), f"{min(loads):g}-{max(loads):g}")
+            plotted = {"p99 demote / quiet": p99, **({"met a copy / quiet": met} if met else {})}
+            table.rows.append(Row(name.removesuffix(".json"), cells, plotted, name))
     return table
 
 
 TABLES: dict[str, Callable[[Results], Table]] = {
     "pack": pack, "transfer": transfer, "packed": packed, "plan": plan, "policy": policy, "retention": retention,
-    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients,
+    "e2e": e2e, "placement": placement, "router": router, "index": index, "clients": clients, "demotion": demotion,
     "tier_reads": tier_reads, "tier_replay": tier_replay, "gpu_tier": gpu_tier,
 }
 # A block's body never holds a marker; an empty body (a new block) is "<!-- report:x -->\n<!-- /report -->".

@@ -4,7 +4,8 @@ with the owner's NIXL agent, and the copier that demotes a retention's hot block
 The retention ledger decides (``retention/demotions.py``): it picks the slots and hands a demotion order (hot
 block ids, tier slots, ``done``) to :meth:`HostTier.demote`. The copy runs off the caller's thread (the caller may
 be the engine's step), and ``done(ok)`` is called once the bytes are in the slots, so only then does the ledger
-give the hot blocks back. On a CPU host the copy is a native pack on a kept thread. On a GPU host it is enqueued on
+give the hot blocks back. On a CPU host the copy is a native pack on a kept thread at the lowest CPU priority (the
+engine's own threads go first on the cores they share). On a GPU host it is enqueued on
 the tier's own CUDA stream, after an event recorded on the engine's current stream (the engine's writes of those
 blocks come first): a pack into a device bounce buffer, then device-to-host copies into the slots (pinned host
 memory), then an event whose completion is the copy's; nothing blocks the engine's stream.
@@ -25,8 +26,11 @@ format: the owner publishes them (``PeerInfo.tier``) and readers read tier claim
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -40,6 +44,9 @@ from .executors import Completion, CudaExecutor, EventCompletion, HostExecutor, 
 from .task_threads import TaskThreads
 
 log = logging.getLogger(__name__)
+# The copy thread's niceness: on cores the engine computes on, its forward passes go first and the copy takes the
+# time they leave (`kvshuttle bench demotion`: at the default priority a copy stretched the bystanders' gaps it met)
+COPY_NICENESS = 19
 COPY_TIMEOUT_S = 60.0  # a copy that has not completed by then failed (the retention then ends; logged)
 D2H = 2  # cudaMemcpyDeviceToHost
 
@@ -125,12 +132,23 @@ def mapped_view(buffer: npt.NDArray[np.uint8], device: str) -> Any:
     return cupy.ndarray((buffer.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
+def lower_priority(niceness: int = COPY_NICENESS) -> None:
+    """Give the calling thread (Linux: ``setpriority`` of a thread id moves that thread only) ``niceness``; a
+    thread can always lower its own priority. Elsewhere, or when refused, nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+
+
 class HostTier:
     """``capacity_blocks`` host slots for ``cache``'s blocks; pass it to ``TransferEngine(..., tier=)`` (which
     registers it) and its :meth:`demote` to the ledger (``RetentionLedger(on_demote=tier.demote)``), whose terms'
-    tier must name the same capacity."""
+    tier must name the same capacity. ``on_copied(handle_id, nbytes, seconds)``: told of each completed copy (its
+    time on the copy thread, until the bytes are in the slots), e.g. to log it."""
 
-    def __init__(self, cache: PagedKVCache, capacity_blocks: int) -> None:
+    def __init__(self, cache: PagedKVCache, capacity_blocks: int,
+                 on_copied: Callable[[str, int, float], object] | None = None) -> None:
         if not isinstance(cache, PagedKVCache):
             raise TransferArgumentError("pass the owner's PagedKVCache")
         if type(capacity_blocks) is not int or capacity_blocks <= 0:
@@ -148,6 +166,7 @@ class HostTier:
         self._threads = TaskThreads("kvshuttle-demote")
         self._lock = threading.Lock()
         self.copies = 0  # completed demotion copies
+        self._on_copied = on_copied
         self._closed = False
 
     @property
@@ -208,6 +227,8 @@ class HostTier:
 
     def _run(self, order: DemotionOrder, written: Any) -> None:
         ok = False
+        lower_priority()
+        started = time.perf_counter()
         try:
             completion, keep = self._copy(np.asarray(order.block_ids, dtype=np.int64), order.slots, written)
             if completion.wait(COPY_TIMEOUT_S):
@@ -221,6 +242,12 @@ class HostTier:
         if ok:
             with self._lock:
                 self.copies += 1
+            if self._on_copied is not None:
+                try:
+                    self._on_copied(order.handle_id, len(order.block_ids) * self.block_bytes,
+                                    time.perf_counter() - started)
+                except Exception:
+                    log.exception("kvshuttle: the host tier's on_copied failed")
         order.done(ok)
 
     def _copy(self, ids: npt.NDArray[np.int64], slots: Sequence[int], written: Any) -> tuple[Completion, Any]:

@@ -91,13 +91,18 @@ def gap_stats(gaps: list[tuple[float, float]], turns: list[tuple[float, float, f
             answer.append(ms)
         else:
             outside.append(ms)
-    return {"during_prefill": _summary(prefill), "during_answer": _summary(answer), "outside_turns": _summary(outside)}
+    return {"during_prefill": summary(prefill), "during_answer": summary(answer), "outside_turns": summary(outside)}
 
 
-def _summary(ms: list[float]) -> dict[str, Any]:
+def summary(ms: list[float]) -> dict[str, Any]:
+    """Count, p50, p90, p99, max and mean of inter-token gaps (ms); ``{"tokens": 0}`` for none."""
     if not ms:
         return {"tokens": 0}
     ordered = sorted(ms)
-    return {"tokens": len(ms), "itl_ms_p50": round(statistics.median(ordered), 2),
-            "itl_ms_p90": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 2),
-            "itl_ms_max": round(ordered[-1], 2), "itl_ms_mean": round(statistics.fmean(ordered), 2)}
+
+    def at(q: float) -> float:  # the value below which a fraction q of the gaps fall (nearest rank)
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"tokens": len(ms), "itl_ms_p50": round(statistics.median(ordered), 2), "itl_ms_p90": at(0.9),
+            "itl_ms_p99": at(0.99), "itl_ms_max": round(ordered[-1], 2),
+            "itl_ms_mean": round(statistics.fmean(ordered), 2)}

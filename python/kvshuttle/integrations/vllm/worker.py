@@ -119,7 +119,8 @@ class ShuttleWorker:
         g = cache.geometry
         bytes_per_block = g.block_size * g.bytes_per_token
         before = thread_ids()
-        self.tier = HostTier(cache, terms.tier.blocks(bytes_per_block)) if terms.tier is not None else None
+        self.tier = (HostTier(cache, terms.tier.blocks(bytes_per_block), on_copied=_log_demotion)
+                     if terms.tier is not None else None)
         if terms.disk is not None and self.tier is not None and c.disk_tier_dir:
             try:
                 self.disk = DiskTier(self.tier, c.disk_tier_dir)
@@ -465,3 +466,9 @@ class ShuttleWorker:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message + " (logged once)")
+
+
+def _log_demotion(handle_id: str, nbytes: int, seconds: float) -> None:
+    """One line per demotion copy, as per read: its size and time (``kvshuttle bench demotion`` reads them)."""
+    log.info("kvshuttle: host tier: demoted %s (%.1f MiB) in %.1f ms (%.2f GB/s)", handle_id[:12], nbytes / 2**20,
+             seconds * 1e3, nbytes / max(seconds, 1e-9) / 1e9)
