@@ -56,6 +56,7 @@ from .transfer_workload import (
     SHAPES,
     Shape,
     block_ids,
+    hot_and_tiered,
     layer_arrays,
     owner_process,
     sweep,
@@ -89,25 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, config: dict[str, Any],
                 ids: list[int]) -> None:
     """An owner whose ledger keeps blocks ``ids`` twice: hot, and demoted into its host tier."""
-    from ..retention import RetentionLedger, RetentionTerms, TierTerms
     from ..transfer import EngineConfig, TransferEngine
     from ..transfer.host_tier import HostTier
 
     cache = PagedKVCache.from_arrays(layer_arrays(shape, layers, blocks, seed), CacheKind.FLASH_ATTN)
-    capacity = len(ids)
-    tier = HostTier(cache, capacity)
-    with TransferEngine(cache, EngineConfig(**config), tier=tier) as engine:
-        host, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
-        ledger = RetentionLedger("bench", host, int(port), terms=RetentionTerms(tier=TierTerms(capacity)),
-                                 on_demote=tier.demote)
-        engine.claims = ledger
-        digests = [k.to_bytes(16, "little") for k in range(len(ids))]
-        args = ("hot", ids, digests, len(ids) * shape.block_size, shape.block_size)
-        hot, tiered = ledger.retain(*args), ledger.retain("tier", *args[1:])  # the second shares the blocks
-        ledger.demote(tiered.handle_id)
-        deadline = time.monotonic() + 60
-        while ledger.metrics()["tiers"]["host"]["copying"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with TransferEngine(cache, EngineConfig(**config), tier=HostTier(cache, len(ids))) as engine:
+        hot, tiered = hot_and_tiered(engine, ids, shape.block_size)
         conn.send((engine.address, (hot, tiered)))
         while not conn.poll(0.2):
             pass

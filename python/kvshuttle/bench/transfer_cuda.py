@@ -34,7 +34,16 @@ import numpy.typing as npt
 from ..core.layout import CacheKind, PagedKVCache
 from .schema import envelope
 from .timing import gbps, interleaved_rounds, medians, speedups
-from .transfer_workload import SHAPES, Shape, add_arguments, block_ids, layer_arrays, owner_process, sweep
+from .transfer_workload import (
+    SHAPES,
+    Shape,
+    add_arguments,
+    block_ids,
+    hot_and_tiered,
+    layer_arrays,
+    owner_process,
+    sweep,
+)
 
 METHODS = ("direct", "packed", "one_read", "device_copy")
 PAIRS = {"packed_vs_direct": ("packed", "direct"), "packed_vs_one_read": ("packed", "one_read"),
@@ -68,7 +77,7 @@ def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, co
     """An owner whose ledger keeps blocks ``ids`` twice, hot and demoted; sends the demotion's timings."""
     import cupy
 
-    from ..retention import Demotion, RetentionLedger, RetentionTerms, TierTerms
+    from ..retention import Demotion
     from ..transfer import EngineConfig, TransferEngine
     from ..transfer.host_tier import D2H, HostTier, host_buffer
 
@@ -90,17 +99,7 @@ def _tier_owner(conn: Any, shape: Shape, layers: int, blocks: int, seed: int, co
             cupy.cuda.runtime.memcpy(pinned.ctypes.data, source.data.ptr, nbytes, D2H)
 
         samples = interleaved_rounds({"demotion": demote, "d2h_copy": one_copy}, repeat)
-        host, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
-        ledger = RetentionLedger("bench", host, int(port), terms=RetentionTerms(tier=TierTerms(len(ids))),
-                                 on_demote=tier.demote)
-        engine.claims = ledger
-        digests = [k.to_bytes(16, "little") for k in range(len(ids))]
-        args = ("hot", ids, digests, len(ids) * shape.block_size, shape.block_size)
-        hot, tiered = ledger.retain(*args), ledger.retain("tier", *args[1:])  # the second shares the blocks
-        ledger.demote(tiered.handle_id)
-        deadline = time.monotonic() + 60
-        while ledger.metrics()["tiers"]["host"]["copying"] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        hot, tiered = hot_and_tiered(engine, ids, shape.block_size)
         conn.send((engine.address, (hot, tiered), samples, nbytes))
         while not conn.poll(0.2):
             pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -132,3 +133,22 @@ def sweep(args: argparse.Namespace) -> tuple[list[str], list[float], list[int], 
         raise SystemExit(f"kvshuttle bench transfer: {exc}") from None
     patterns = ["scattered", "contiguous"] if args.pattern == "all" else [args.pattern]
     return names, chunks, depths, patterns
+
+
+def hot_and_tiered(engine: Any, ids: list[int], block_size: int) -> tuple[Any, Any]:
+    """On a serving ``engine`` with a host tier of ``len(ids)`` slots: a ledger keeping blocks ``ids`` twice, one
+    retention hot and one demoted into the tier (waited for); returns both handles."""
+    from ..retention import RetentionLedger, RetentionTerms, TierTerms
+
+    host, port = engine.serve().removeprefix("tcp://").rsplit(":", 1)
+    ledger = RetentionLedger("bench", host, int(port), terms=RetentionTerms(tier=TierTerms(len(ids))),
+                             on_demote=engine.tier.demote)
+    engine.claims = ledger
+    digests = [k.to_bytes(16, "little") for k in range(len(ids))]
+    args = ("hot", ids, digests, len(ids) * block_size, block_size)
+    hot, tiered = ledger.retain(*args), ledger.retain("tier", *args[1:])  # the second shares the blocks
+    ledger.demote(tiered.handle_id)
+    deadline = time.monotonic() + 60
+    while ledger.metrics()["tiers"]["host"]["copying"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return hot, tiered
