@@ -92,3 +92,14 @@ def test_a_retention_past_its_hot_and_host_ttls_is_read_back_from_its_file(
 def test_an_unusable_disk_tier_directory_refuses_to_start(workers: Any, tmp_path: Path) -> None:  # noqa: F811
     with pytest.raises(ConnectorConfigError, match="kvshuttle_disk_tier_dir"):
         workers("owner", 13, **disk_extra(tmp_path / "missing"))
+
+
+def test_a_disk_tier_on_a_gpu_cache_refuses_to_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A GPU engine serves a host tier (its slots pinned and mapped) but not a disk tier: a file read back into host
+    memory would be packed on the host into staging that is VRAM there."""
+    from kvshuttle.core.layout import PagedKVCache
+    from test_connector_host_tier import worker
+
+    monkeypatch.setattr(PagedKVCache, "is_cuda", property(lambda self: True))
+    with pytest.raises(ConnectorConfigError, match="kvshuttle_disk_tier_dir"):
+        worker("gpu", 7, **disk_extra(tmp_path))
