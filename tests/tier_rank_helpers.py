@@ -27,8 +27,8 @@ class GatedTier(HostTier):
     """A host tier whose demotion copies wait while ``closed`` (a slow copy), so who reports first is the test's,
     or fail while ``failing`` (as a copy that did not complete in time)."""
 
-    def __init__(self, cache: Any, capacity_blocks: int) -> None:
-        super().__init__(cache, capacity_blocks)
+    def __init__(self, cache: Any, capacity_blocks: int, **options: Any) -> None:
+        super().__init__(cache, capacity_blocks, **options)
         self.closed = self.failing = False
         self.held: list[DemotionOrder] = []
 
