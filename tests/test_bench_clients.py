@@ -109,13 +109,15 @@ def test_tier_counts_sum_the_decodes_tier_counters_and_ignore_the_rest() -> None
         'vllm:kvshuttle_tier_blocks{engine="0",tier="host"} 9.0',
         'vllm:num_requests_running{engine="0"} 2.0',
     ])
-    assert clients.tier_counts(text) == {"reads": 3.0, "demotions": 5.0, "misses": 0.0}
+    text += '\nvllm:kvshuttle_tier_reads_total{engine="0",tier="disk"} 2.0'
+    assert clients.tier_counts(text) == {"reads": 5.0, "demotions": 5.0, "misses": 0.0, "host_reads": 3.0,
+                                         "disk_reads": 2.0, "host_demotions": 5.0}
     assert clients.tier_counts("") == {"reads": 0.0, "demotions": 0.0, "misses": 0.0}
 
 
 def test_the_tier_row_is_the_body_row_paused_past_the_hot_ttl() -> None:
-    tier, body = clients.ROWS["tier"], clients.ROWS["body"]
-    assert tier["paused"] and not body.get("paused")
-    assert tier["key"] == body["key"] and tier["router"] == body["router"] == []
+    tier, disk, body = clients.ROWS["tier"], clients.ROWS["disk"], clients.ROWS["body"]
+    assert tier["paused"] == "tier" and disk["paused"] == "disk" and not body.get("paused")
+    assert tier["key"] == disk["key"] == body["key"] and tier["router"] == disk["router"] == body["router"] == []
     rows = _convert("body", delay_ms=9000)
     assert [r.get("delay") for r in rows] == [None, 9000, 9000, None, 9000]

@@ -16,7 +16,9 @@ tiny model, a different ``--random-seed`` per row (different prompts: no row fin
 * ``recompute``: the body row's keys with ``--no-reverse-reads``: the TTFT every later turn would pay;
 * ``tier``: the body row with ``--tier-delay-ms`` before each later turn, past the decode's hot TTL
   (``--hot-ttl``): every history has moved to the decode's host tier (``--tier-blocks``) and is read back from
-  there (the other rows' short gaps stay within the hot TTL).
+  there (the other rows' short gaps stay within the hot TTL);
+* ``disk``: the same with ``--disk-delay-ms``, past the host tier's TTL too (``--tier-ttl``): every history has
+  moved on into the decode's disk tier (``--disk-bytes`` of files) and is read back from its file.
 
 No row for vLLM's own ``OffloadingConnector``: its CPU tier refuses to start on a CPU engine (``CPUOffloadingSpec.
 get_worker``: "only supported on CUDA-alike and XPU GPUs"; benchmarks/README.md has the evidence).
@@ -52,10 +54,12 @@ ROWS: dict[str, dict[str, Any]] = {
     "none": {"key": None, "router": [], "aiperf": []},
     "dropped": {"key": "some", "router": [], "aiperf": []},
     "recompute": {"key": "body", "router": ["--no-reverse-reads"], "aiperf": []},
-    "tier": {"key": "body", "router": [], "aiperf": [], "paused": True},
+    "tier": {"key": "body", "router": [], "aiperf": [], "paused": "tier"},
+    "disk": {"key": "body", "router": [], "aiperf": [], "paused": "disk"},
 }
-TIER_METRIC = re.compile(r"^vllm:kvshuttle_tier_(reads|demotions|misses)(?:_total)?(?:\{[^}]*\})? ([0-9.eE+-]+)$",
+TIER_METRIC = re.compile(r"^vllm:kvshuttle_tier_(reads|demotions|misses)(?:_total)?(\{[^}]*\})? ([0-9.eE+-]+)$",
                          re.MULTILINE)
+TIER_LABEL = re.compile(r'tier="(\w+)"')
 READ_LINE = re.compile(r"kvshuttle: request (\S+) read (\d+) tokens")
 DEFAULT_AIPERF = Path.home() / ".cache" / "kvshuttle-aiperf" / "venv" / "bin" / "aiperf"
 HF_REV = "0" * 40
@@ -74,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the decode's decoder_kv_blocks_ttl (s); then its host tier holds a history")
     parser.add_argument("--tier-blocks", type=int, default=2048, help="the decode's host tier, in KV blocks")
     parser.add_argument("--tier-delay-ms", type=int, default=8000, help="the tier row's gap before a later turn")
+    parser.add_argument("--tier-ttl", type=float, default=10.0, help="the host tier's TTL (s); then the disk tier's")
+    parser.add_argument("--disk-bytes", type=int, default=1 << 30, help="the decode's disk tier (0: none)")
+    parser.add_argument("--disk-delay-ms", type=int, default=20000, help="the disk row's gap before a later turn")
     parser.add_argument("--keyed-turns", type=int, default=2, help="dropped: turns that carry the key")
     parser.add_argument("--aiperf", default=str(DEFAULT_AIPERF), help="aiperf 0.13.0's executable")
     parser.add_argument("--model", default="", help="model directory (default: the tiny random Llama, built here)")
@@ -116,10 +123,15 @@ def read_lines(log_text: str) -> list[int]:
 
 
 def tier_counts(prometheus_text: str) -> dict[str, float]:
-    """The decode's host-tier counters (reads, demotions, misses) from its ``/metrics`` text, summed over labels."""
+    """The decode's tier counters (reads, demotions, misses) from its ``/metrics`` text, summed over labels, and
+    per tier (``host_reads``, ``disk_reads``...)."""
     counts = {"reads": 0.0, "demotions": 0.0, "misses": 0.0}
     for m in TIER_METRIC.finditer(prometheus_text):
-        counts[m.group(1)] += float(m.group(2))
+        counts[m.group(1)] += float(m.group(3))
+        tier = TIER_LABEL.search(m.group(2) or "")
+        if tier is not None:
+            key = f"{tier.group(1)}_{m.group(1)}"
+            counts[key] = counts.get(key, 0.0) + float(m.group(3))
     return counts
 
 
@@ -312,7 +324,7 @@ class Deployment:
     ``decode_extra``: more of the decode's connector options. :meth:`start`, then :meth:`close`."""
 
     def __init__(self, model: str, logs: Path, *, hot_ttl: float, tier_blocks: int, tier_ttl: float | None = None,
-                 decode_extra: dict[str, Any] | None = None) -> None:
+                 disk_bytes: int = 0, decode_extra: dict[str, Any] | None = None) -> None:
         from .e2e.engines import free_port, shuttle_transfer_config
         from .e2e.serve import ServedEngine, ServeSpec
 
@@ -326,6 +338,9 @@ class Deployment:
             tier["kvshuttle_host_tier_blocks"] = tier_blocks
             if tier_ttl is not None:
                 tier["kvshuttle_host_tier_ttl_s"] = tier_ttl
+            if disk_bytes:  # its files under the logs, in a directory of the decode's own
+                (logs / "disk-tier").mkdir(exist_ok=True)
+                tier.update(kvshuttle_disk_tier_bytes=disk_bytes, kvshuttle_disk_tier_dir=str(logs / "disk-tier"))
         self.prefill = ServedEngine(ServeSpec(model=model, name="prefill", enable_prefix_caching=False,
                                               cpu_cores=(0,), kv_transfer_config=shuttle_transfer_config(**index),
                                               log_path=str(logs / "prefill.log")))
@@ -367,7 +382,8 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
     spec = ROWS[name]
     rows = convert(trace, sessions=args.sessions, turns=args.turns, first_tokens=args.first_tokens,
                    turn_tokens=args.turn_tokens, answer_tokens=args.answer_tokens,
-                   delay_ms=args.tier_delay_ms if spec.get("paused") else args.delay_ms,
+                   delay_ms={"tier": args.tier_delay_ms, "disk": args.disk_delay_ms}.get(spec.get("paused", ""),
+                                                                                        args.delay_ms),
                    key=spec["key"], keyed_turns=args.keyed_turns, prefix=f"{name}{seed}")
     data = logs / f"{name}.aiperf.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -417,7 +433,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = str(build_tiny_llama(assets_root() / "tiny-llama"))
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="kvshuttle-clients-"))
     logs.mkdir(parents=True, exist_ok=True)
-    deployment = Deployment(model, logs, hot_ttl=args.hot_ttl, tier_blocks=args.tier_blocks).start()
+    deployment = Deployment(model, logs, hot_ttl=args.hot_ttl, tier_blocks=args.tier_blocks, tier_ttl=args.tier_ttl,
+                            disk_bytes=args.disk_bytes if "disk" in names else 0).start()
     results = []
     try:
         home = hf_home(model, logs)
@@ -429,7 +446,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     note = (f"aiperf 0.13.0 replaying the first {args.sessions} sessions x {args.turns} turns of {TRACE} (lengths "
             f"capped: first prompt {args.first_tokens}, later {args.turn_tokens}, answers {args.answer_tokens} "
             f"tokens) through kvshuttle router; one prefill (prefix cache off, core 0) and one decode (core 1; hot "
-            f"TTL {args.hot_ttl:g} s, then a host tier of {args.tier_blocks} blocks; the tier row waits "
-            f"{args.tier_delay_ms} ms before each later turn), "
+            f"TTL {args.hot_ttl:g} s, then a host tier of {args.tier_blocks} blocks for {args.tier_ttl:g} s, then "
+            f"{args.disk_bytes if 'disk' in names else 0} bytes of disk tier; the tier row waits "
+            f"{args.tier_delay_ms} ms before each later turn, the disk row {args.disk_delay_ms} ms), "
             "vllm serve, tiny random Llama (float32), content index and router store in one redis-server")
     return envelope("clients", args, add_arguments, results, note=note, started=started)

@@ -315,27 +315,29 @@ def index(results: Results) -> Table:
 
 
 def clients(results: Results) -> Table:
-    """aiperf through the router, per way the client names its session: later turns that read their history back,
-    against the body-key row, and later turns' TTFT against the recompute row of the same run."""
-    name = "vm5_clients.json"
+    """aiperf through the router, per way the client names its session (and per tier a paused history is read
+    back from): later turns that read their history back, against the body-key row, and later turns' TTFT against
+    the recompute row of the same run."""
     table = Table("clients", "Real clients through the router", ("session key", "later turns", "reused",
                                                                   "tokens read", "reused / body",
                                                                   "recompute / later TTFT", "answers = recompute"))
-    rows = {str(get(row, "row", f"{name}: results[{i}]")): row for i, row in enumerate(results.rows(name))}
-    for key in ("body", "recompute"):
-        if key not in rows:
-            raise ReportError(f"{name}: no {key!r} row to compare with")
-    base = number(rows["body"], "reused_turns", f"{name}: body")
-    floor = number(get(rows["recompute"], "seconds", f"{name}: recompute"), "ttft_median", f"{name}: recompute")
-    for label, row in rows.items():
-        where = f"{name}: {label}"
-        reused = number(row, "reused_turns", where)
-        speed = Ratio(floor / number(get(row, "seconds", where), "ttft_median", where))
-        share = Ratio(reused / base) if base else Ratio(0.0)
-        cells = (label, f"{int(number(row, 'later_turns', where))}", f"{int(reused)}",
-                 f"{int(number(row, 'read_tokens', where)):,}", str(share), str(speed),
-                 f"{int(number(row, 'answers_equal', where))}/{int(number(row, 'answers_checked', where))}")
-        table.rows.append(Row(label, cells, {"reused / body": share, "recompute / later TTFT": speed}, name))
+    for name in CLIENT_RUNS:
+        rows = {str(get(row, "row", f"{name}: results[{i}]")): row for i, row in enumerate(results.rows(name))}
+        for key in ("body", "recompute"):
+            if key not in rows:
+                raise ReportError(f"{name}: no {key!r} row to compare with")
+        base = number(rows["body"], "reused_turns", f"{name}: body")
+        floor = number(get(rows["recompute"], "seconds", f"{name}: recompute"), "ttft_median", f"{name}: recompute")
+        for label, row in rows.items():
+            where = f"{name}: {label}"
+            reused = number(row, "reused_turns", where)
+            speed = Ratio(floor / number(get(row, "seconds", where), "ttft_median", where))
+            share = Ratio(reused / base) if base else Ratio(0.0)
+            cells = (label, f"{int(number(row, 'later_turns', where))}", f"{int(reused)}",
+                     f"{int(number(row, 'read_tokens', where)):,}", str(share), str(speed),
+                     f"{int(number(row, 'answers_equal', where))}/{int(number(row, 'answers_checked', where))}")
+            table.rows.append(Row(f"{label} {name.removesuffix('.json')}", cells,
+                                  {"reused / body": share, "recompute / later TTFT": speed}, name))
     return table
 
 
@@ -425,6 +427,9 @@ def demotion(results: Results) -> Table:
             plotted = {"p99 demote / quiet": p99, **({"met a copy / quiet": met} if met else {})}
             table.rows.append(Row(name.removesuffix(".json"), cells, plotted, name))
     return table
+
+
+CLIENT_RUNS = ("vm5_clients.json",)  # each with its own body and recompute rows
 
 
 TABLES: dict[str, Callable[[Results], Table]] = {
