@@ -78,7 +78,8 @@ def test_any_wrong_term_is_refused_by_name_or_works(field: str, value: Any) -> N
     named_or_ok(lambda: issued.append(ledger.retain("r", [0], [b"d"], 1, 16)))  # a budget of 0 blocks refuses
     for handle in issued:
         named_or_ok(functools.partial(ledger.renew, handle.handle_id))  # a TTL of 1e-300 s has ended already
-    assert named_or_ok(lambda: ledger.sweep()) and ledger.release_all() == len(issued)
+    # a TTL of 1e-205 s may have ended a handle before release_all: none is left either way
+    assert named_or_ok(lambda: ledger.sweep()) and ledger.release_all() <= len(issued) and len(ledger) == 0
 
 
 def test_a_budget_of_no_blocks_refuses_every_retention() -> None:
