@@ -412,7 +412,7 @@ def _run_row(name: str, seed: int, args: argparse.Namespace, trace: list[dict[st
             "later_ttft_p50_ms": later_ttft_p50_ms(turns), "failed_turns": sum(t["status"] != 200 for t in turns),
             "router_session_keys": {k: int(v) for k, v in sessions.items() if v},
             "router_placements": {k: int(v) for k, v in placements.items() if v},
-            "tier": {k: int(tier_after[k] - tier_before.get(k, 0.0)) for k in tier_after},  # a label appears once counted
+            "tier": {k: int(tier_after[k] - tier_before.get(k, 0.0)) for k in tier_after},  # labels appear once counted
             "answers_checked": len(samples), "answers_equal": int(equal),
             "verified": bool(samples) and equal == len(samples)}
 
