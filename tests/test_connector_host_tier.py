@@ -155,6 +155,40 @@ def test_a_demotion_asked_on_the_side_channel_takes_the_ttls_path_through_the_wo
     assert w.ledger.release("h-a") and w.state_sizes()["tiered"] == 0
 
 
+def test_a_claim_that_finds_its_retention_moving_waits_for_the_copy_and_reads_the_tier(
+        workers: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim refused because the retention is being moved into a tier (an idle decode starts a move when a claim
+    finds its TTL over; here an asked demotion whose copy takes 0.5 s) is retried until the copy landed, and the
+    tier serves it: before, the prefill recomputed what the tier held a moment later."""
+    from kvshuttle.transfer import demote_retention
+    from kvshuttle.transfer.host_tier import HostTier
+
+    copy = HostTier._run
+
+    def slow_copy(tier: HostTier, order: Any, written: Any) -> None:
+        time.sleep(0.5)
+        copy(tier, order, written)
+
+    monkeypatch.setattr(HostTier, "_run", slow_copy)
+    w, owner = workers("moving", 21, decoder_kv_blocks_ttl=600, kvshuttle_host_tier_blocks=8)
+    r, mine = workers("reader", 22)
+    assert w.ledger is not None and r.reader is not None
+    w.start(ShuttleMetadata(retains=[RetainJob("req-a", "h-a", (3, 4), DIGESTS, 64, BS, 600.0, False)]))
+    assert w.finished({"req-a"}) == (set(), set())  # held hot
+    handle = w.ledger.get("h-a")
+    assert handle is not None
+    original = [owner.canonical(layer)[:, [3, 4]].copy() for layer in range(owner.geo.num_layers)]
+    assert demote_retention(handle.to_kv_transfer_params(SECRET), secret=SECRET) is True  # copying for 0.5 s
+    decision = Decision("fetch", Reason.FETCH, "test", fetch_tokens=64, reused_tokens=64, fetch_blocks=range(2),
+                        remote_block_ids=(3, 4), block_size=BS)
+    result = r.reader.fetch(decision, handle, np.array([10, 11]), 64, deadline=time.monotonic() + 10)
+    assert result.action == "fetched", result
+    assert w.ledger.metrics()["refusals"]["demoting"] >= 1  # refused while copying, retried, then served
+    for layer in range(owner.geo.num_layers):
+        assert np.array_equal(mine.canonical(layer)[:, [10, 11]], original[layer])
+    assert w.ledger.metrics()["tiers"]["host"]["reads"] == 1
+
+
 def test_without_a_tier_the_hot_ttl_ends_the_retention(workers: Any) -> None:
     w, _ = workers("plain", 2, decoder_kv_blocks_ttl=HOT_TTL_S)
     assert w.tier is None and w.engine is not None and w.engine.tier is None and w.ledger is not None

@@ -249,14 +249,17 @@ def _read_slices(reader: RankedFetch, decision: Decision, local_ids: npt.NDArray
 
 def _claim(engine: TransferEngine, peer: Peer, handle: KVHandle, num_blocks: int, deadline: float,
            grace_until: float, *, readers: int = 1) -> ClaimTicket:
-    """Claim on ``peer``, retrying a refusal as unknown until ``grace_until``."""
+    """Claim on ``peer``, retrying a refusal as unknown until ``grace_until``, and one as demoting until
+    ``deadline``: a move into a tier in flight (an idle decode starts one when a claim finds its TTL over) lands
+    in milliseconds, and then the tier serves the claim."""
     while True:
         try:
             return engine.claim(peer, handle, num_blocks, timeout=time_left(deadline), readers=readers)
         except ClaimRefusedError as exc:
-            if exc.reason != "UnknownHandleError" or time.monotonic() >= grace_until:
+            until = {"UnknownHandleError": grace_until, "HandleDemotingError": deadline}.get(exc.reason)
+            if until is None or time.monotonic() >= until:
                 raise
-        time.sleep(0.005)  # the owner's ledger hears of the handle on its next engine step
+        time.sleep(0.005)  # the owner's ledger hears of the handle on its next engine step, or the copy lands
 
 
 def _abort_claims(engine: TransferEngine, opened: list[tuple[Peer, ClaimTicket]], timeout: float | None) -> None:
