@@ -429,7 +429,7 @@ def demotion(results: Results) -> Table:
     return table
 
 
-CLIENT_RUNS = ("vm5_clients.json",)  # each with its own body and recompute rows
+CLIENT_RUNS = ("vm5_clients.json", "vm6_clients_tiers.json")  # each with its own body and recompute rows
 
 
 TABLES: dict[str, Callable[[Results], Table]] = {
