@@ -99,10 +99,11 @@ def test_mla_both_directions(mla_model_dir: str, tmp_path: Path) -> None:
     )
     from kvshuttle.bench.e2e.engines import group_pids, pd_pair, shuttle_transfer_config, start_all
     from kvshuttle.bench.e2e.kv_probe import WORKER_EXTENSION
+    from kvshuttle.bench.e2e.tiny_model import MLA_ENGINE_KWARGS
 
     config = shuttle_transfer_config()
     prefill, decode = pd_pair(mla_model_dir, config, config, tmp_path, prefill_tp=2,
-                              llm_kwargs={"worker_extension_cls": WORKER_EXTENSION})
+                              llm_kwargs={"worker_extension_cls": WORKER_EXTENSION, **MLA_ENGINE_KWARGS})
     plan = ConversationPlan(turns=2, first_tokens=200, next_tokens=48, answer_tokens=8)
     held: dict[int, tuple[list[str], list[str]]] = {}  # turn -> digests of (prefill's prompt, decode's history)
 

@@ -63,6 +63,7 @@ from typing import Any
 from ..schema import envelope
 from .conversation import ConversationPlan, Turn, decode_params_for, prefill_params_for, run_pd_conversation
 from .engines import VllmEngine, nixl_transfer_config, pd_pair, shuttle_transfer_config, start_all
+from .tiny_model import MLA_ENGINE_KWARGS
 
 CONFIGS = ("recompute", "nixl", "kvshuttle", "kvshuttle_tp", "floor", "kvshuttle_layered")
 DEFAULT_CONFIGS = CONFIGS[:3]
@@ -116,7 +117,7 @@ def _pair(kind: str, args: argparse.Namespace, model: str, log_dir: Path) -> tup
     prefill_tp, decode_tp = _tp_sizes(args.tp) if kind == "kvshuttle_tp" else (1, 1)
     return pd_pair(model, prefill_config, config, log_dir, name=kind, warmup_tokens=args.warmup_tokens,
                    decode_block_size=args.decode_block_size, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                   prefill_prefix_cache=kind == "floor")
+                   prefill_prefix_cache=kind == "floor", llm_kwargs=dict(MLA_ENGINE_KWARGS) if args.mla else None)
 
 
 def _tp_sizes(value: str) -> tuple[int, int]:

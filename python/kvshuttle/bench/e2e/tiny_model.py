@@ -30,6 +30,9 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 BOS_ID, EOS_ID = 1, 2
 #: The file that records how a directory was built (the idempotence key).
 STAMP = "kvshuttle_tiny.json"
+# The tiny DeepSeek's engines ask for vLLM's reference CPU MLA backend: on a CPU with AMX tiles vLLM otherwise picks
+# AMX_MLA, whose weight packing refuses the tiny model's float32 ("expect weight to be bfloat16, float16...").
+MLA_ENGINE_KWARGS = {"attention_backend": "CPU_MLA"}
 #: A plain chat template: one line per message, then the assistant's turn (no special tokens inside).
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
