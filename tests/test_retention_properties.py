@@ -148,13 +148,14 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         tokens = h.tokens + tuple(more)
         blocks = list(h.blocks)
-        if self.content[blocks[-1]] != views[-1]:  # someone appended to our partial block: copy on write
-            if not self.free or len(h.tokens) % B == 0:
-                return
-            blocks[-1] = self.allocate(data, 1)[0]
-        extra = -(-len(tokens) // B) - len(blocks)
-        if extra > len(self.free):
+        cow = self.content[blocks[-1]] != views[-1]  # someone appended to our partial block: copy on write
+        if cow and len(h.tokens) % B == 0:
             return
+        extra = -(-len(tokens) // B) - len(blocks)
+        if extra + cow > len(self.free):  # (checked before allocating: a block taken and not issued would leak)
+            return
+        if cow:
+            blocks[-1] = self.allocate(data, 1)[0]
         self.issue(blocks + self.allocate(data, extra), tokens, h.conversation)
 
     @precondition(lambda self: self.held)
